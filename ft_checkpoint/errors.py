@@ -1,0 +1,44 @@
+"""The errors ft-checkpoint raises.
+
+Every error is an :class:`FTCheckpointError`, and each subclass also inherits the matching
+built-in (``ValueError``, ``FileNotFoundError``, ...), so ``except ValueError`` keeps working for
+code that does not know this package. Messages say what happened and what to do about it.
+
+Example:
+    >>> from ft_checkpoint.errors import ConfigError
+    >>> try:
+    ...     raise ConfigError("keep_last=0: must be an integer >= 1")
+    ... except ValueError as e:
+    ...     print(e)
+    keep_last=0: must be an integer >= 1
+"""
+
+from __future__ import annotations
+
+
+class FTCheckpointError(Exception):
+    """Base class of every error raised by ft-checkpoint."""
+
+
+class ConfigError(FTCheckpointError, ValueError):
+    """A configuration value is invalid; the message names the field, the value and what is allowed."""
+
+
+class StorageError(FTCheckpointError, OSError):
+    """Storage failed (after retries, for transient errors); the message names the URL."""
+
+
+class StorageNotFoundError(StorageError, FileNotFoundError):
+    """The bucket, directory or object does not exist."""
+
+
+class StoragePermissionError(StorageError, PermissionError):
+    """Credentials are missing or do not allow the operation."""
+
+
+class CheckpointCorruptError(FTCheckpointError, ValueError):
+    """A checkpoint failed verification (missing file, wrong size or checksum, bad manifest)."""
+
+
+class SaveError(FTCheckpointError, RuntimeError):
+    """A background save failed; re-raised at the next ``save``, ``wait`` or ``close``."""

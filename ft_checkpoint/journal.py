@@ -1,0 +1,89 @@
+"""The run journal: what happened to this job, one small object per event.
+
+Object stores cannot append, so each event is its own JSON object under
+``<dirpath>/journal/<attempt>/<seq>-<event>.json``; an attempt is one start of the training process
+(group). Events: ``attempt_start``, ``resume``, ``save_started``, ``commit``, ``save_failed``,
+``preempted``, ``clean_end``. The adaptive interval learns the failure rate from it (a restart that did
+not follow a ``clean_end`` or ``preempted`` is a failure), and the goodput report reads it.
+
+Only rank 0 writes. A journal write that fails is logged and never stops training: the journal
+describes checkpoints, it is not one.
+
+Example:
+    >>> from ft_checkpoint.storage import Storage
+    >>> s = Storage("memory://doc/journal")
+    >>> j = Journal(s, attempt="20261129T000000Z-abc123")
+    >>> j.record("attempt_start", world_size=1)
+    >>> [e["event"] for e in read_journal(s)]
+    ['attempt_start']
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+from ft_checkpoint.errors import StorageError
+from ft_checkpoint.layout import JOURNAL_DIR
+from ft_checkpoint.storage import Storage
+
+log = logging.getLogger(__name__)
+
+_RESTART_ENV = ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID")
+
+
+def new_attempt_id() -> str:
+    """A sortable, unique attempt id: UTC start time plus a random suffix."""
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
+
+
+def launcher_env() -> dict[str, str]:
+    """The launcher variables that tell restarts apart (Slurm, torchrun)."""
+    return {k: os.environ[k] for k in _RESTART_ENV if k in os.environ}
+
+
+class Journal:
+    """Writes this attempt's events (a no-op unless ``enabled``)."""
+
+    def __init__(self, storage: Storage, *, attempt: str | None = None, enabled: bool = True) -> None:
+        self.storage = storage
+        self.attempt = attempt or new_attempt_id()
+        self.enabled = enabled
+        self._seq = itertools.count()
+        self._lock = threading.Lock()
+
+    def record(self, event: str, **fields: Any) -> None:
+        """Write one event with the wall-clock time; storage errors are logged, not raised."""
+        if not self.enabled:
+            return
+        with self._lock:
+            seq = next(self._seq)
+        body = {"event": event, "time": time.time(), "attempt": self.attempt, "seq": seq, **fields}
+        if event == "attempt_start":
+            body.update(host=socket.gethostname(), pid=os.getpid(), env=launcher_env())
+        try:
+            self.storage.write_bytes(f"{JOURNAL_DIR}/{self.attempt}/{seq:06d}-{event}.json",
+                                     json.dumps(body, sort_keys=True).encode())
+        except StorageError as e:
+            log.warning("could not write journal event %s: %s", event, e)
+
+
+def read_journal(storage: Storage) -> list[dict[str, Any]]:
+    """Every event of every attempt, in order (attempts by start time, events by sequence)."""
+    events = []
+    for attempt in storage.listdir(JOURNAL_DIR):
+        for name in storage.listdir(f"{JOURNAL_DIR}/{attempt}"):
+            if not name.endswith(".json"):
+                continue
+            try:
+                events.append(json.loads(storage.read_bytes(f"{JOURNAL_DIR}/{attempt}/{name}")))
+            except (ValueError, StorageError) as e:
+                log.warning("skipping unreadable journal event %s/%s: %s", attempt, name, e)
+    return sorted(events, key=lambda e: (e.get("attempt", ""), e.get("seq", 0)))

@@ -1,0 +1,197 @@
+"""CheckpointManager: what a training loop calls. Framework-free; both integrations sit on it.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Linear(4, 2)
+    >>> opt = torch.optim.Adam(model.parameters())
+    >>> state = {"model": model, "optim": opt, "epoch": 0}
+    >>> with CheckpointManager("memory://doc/manager", interval=2) as ckpt:
+    ...     start = ckpt.resume(state) or 0           # None on a fresh start
+    ...     for step in range(start + 1, 5):
+    ...         opt.zero_grad(); model(torch.randn(3, 4)).sum().backward(); opt.step()
+    ...         saved = ckpt.maybe_save(step, state)  # saves at steps 2 and 4, in the background
+    ...     _ = ckpt.wait()                       # until committed
+    ...     ckpt.latest()
+    4
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ft_checkpoint import layout
+from ft_checkpoint.config import CheckpointConfig
+from ft_checkpoint.dist import Groups
+from ft_checkpoint.engine import CheckpointEngine, SaveStats
+from ft_checkpoint.errors import ConfigError
+from ft_checkpoint.journal import Journal
+from ft_checkpoint.policy import SaveContext, SavePolicy, policy_from_interval
+from ft_checkpoint.resume import find_resume_step
+from ft_checkpoint.retention import apply_retention, list_steps
+from ft_checkpoint.state import load_tree_into, rng_state, set_rng_state, to_tree
+from ft_checkpoint.storage import Storage
+
+log = logging.getLogger(__name__)
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1000
+    return f"{n} B"
+
+
+class CheckpointManager:
+    """Asynchronous, fault-tolerant checkpoints of a training loop in one directory.
+
+    Args:
+        dirpath: Local path or fsspec URL; falls back to ``FT_CHECKPOINT_DIRPATH`` / the config file.
+        policy: A :class:`~ft_checkpoint.policy.SavePolicy`; default: the one ``interval`` names.
+        **config: Any :class:`~ft_checkpoint.config.CheckpointConfig` field (``interval``, ``keep_last``,
+            ``storage_options``, ...). Explicit arguments win over env vars, which win over the file.
+
+    Every rank of a distributed job must create the manager and call ``resume``/``maybe_save``/
+    ``save``/``close`` at the same steps (the step-based policies guarantee it; time-based ones are
+    decided by rank 0 and broadcast).
+    """
+
+    def __init__(self, dirpath: str | None = None, *, policy: SavePolicy | None = None, **config: Any) -> None:
+        self.config = CheckpointConfig.from_env(dirpath=dirpath, **config)
+        if self.config.dirpath is None:
+            raise ConfigError("dirpath is required: pass it, set FT_CHECKPOINT_DIRPATH, or put it in the "
+                              "YAML file named by FT_CHECKPOINT_CONFIG")
+        self.storage = Storage(self.config.dirpath, self.config.storage_options, retries=self.config.retries)
+        self.groups = Groups.create()
+        self.groups.on_rank0(self.storage.ensure_root)
+        self.policy = policy or policy_from_interval(self.config.interval)
+        self.engine = CheckpointEngine(self.storage, self.groups, async_save=self.config.async_save)
+        self.journal = Journal(self.storage, enabled=self.groups.rank == 0)
+        self.journal.record("attempt_start", world_size=self.groups.world_size)
+        self.preempted = False
+        """Set by a preemption handler; the next ``maybe_save`` then saves (see ``OnPreemption``)."""
+        self.last_save: SaveStats | None = None
+        self.resumed_from: int | None = None
+        self._last_save_time = time.monotonic()
+        self._closed = False
+
+    @property
+    def rank(self) -> int:
+        return self.groups.rank
+
+    # -- saving --------------------------------------------------------------------------------
+    def should_save(self, step: int) -> bool:
+        """Whether the policy wants a save at ``step`` (the same answer on every rank)."""
+        last = self.last_save
+        ctx = SaveContext(
+            step=step, now=time.monotonic(), last_save_step=last.step if last else self.resumed_from,
+            last_save_time=self._last_save_time, last_stall=last.stall if last else None,
+            last_duration=last.duration if last else None, save_in_flight=self.engine.in_flight,
+            preempted=self.preempted)
+        decision = self.policy.should_save(ctx)
+        return decision if self.policy.deterministic else self.groups.broadcast(decision)
+
+    def maybe_save(self, step: int, state: dict[str, Any], *, epoch: int | None = None,
+                   metadata: dict[str, Any] | None = None) -> bool:
+        """Save ``state`` as ``step`` if the policy says so; returns whether a save started.
+
+        Call it at a step boundary (after the optimizer step), with the number of completed steps.
+        """
+        if not self.should_save(step):
+            return False
+        self.save(step, state, epoch=epoch, metadata=metadata)
+        return True
+
+    def save(self, step: int, state: dict[str, Any], *, epoch: int | None = None,
+             metadata: dict[str, Any] | None = None, block: bool = False) -> SaveStats:
+        """Save now. Returns once the state is staged (or committed, with ``block=True``)."""
+        self._check_open()
+        per_rank = {"rng": rng_state()} if self.config.save_rng_state else {}
+        self.journal.record("save_started", step=step)
+        try:
+            stats = self.engine.save(step, to_tree(state), per_rank=per_rank,
+                                     manifest_fields={"epoch": epoch, "metadata": dict(metadata or {})},
+                                     on_commit=self._after_commit)
+            self.last_save = stats
+            self._last_save_time = time.monotonic()
+            if block:
+                self.engine.wait()
+        except Exception as e:
+            self.journal.record("save_failed", step=step, error=f"{type(e).__name__}: {e}")
+            raise
+        return stats
+
+    def _after_commit(self, stats: SaveStats) -> None:
+        """On the writer thread, after a commit: journal, log, retention (rank 0)."""
+        if self.rank != 0:
+            return
+        self.journal.record("commit", step=stats.step, stall=stats.stall, waited=stats.waited,
+                            duration=stats.duration, bytes=stats.bytes)
+        log.info("committed step %d to %s: %s, stall %.3f s, durable after %.2f s", stats.step,
+                 self.storage.url, _human_bytes(stats.bytes or 0), stats.stall, stats.duration or 0.0)
+        apply_retention(self.storage, keep_last=self.config.keep_last,
+                        keep_every_n_steps=self.config.keep_every_n_steps)
+
+    # -- resuming ------------------------------------------------------------------------------
+    def resume(self, state: dict[str, Any]) -> int | None:
+        """Load the newest verified checkpoint into ``state`` in place; returns its step, or None if fresh.
+
+        Stateful values get ``load_state_dict``; other values of ``state`` are replaced.
+        """
+        self._check_open()
+        t0 = time.perf_counter()
+        manifest = find_resume_step(self.storage, self.groups, verify_checksums=self.config.verify_checksums)
+        if manifest is None:
+            if self.rank == 0:
+                log.info("no committed checkpoint in %s: starting fresh", self.storage.url)
+            return None
+        tree, per_rank = self.engine.load(manifest.step, to_tree(state))
+        load_tree_into(state, tree)
+        if self.config.save_rng_state and "rng" in per_rank:
+            set_rng_state(per_rank["rng"])
+        seconds = time.perf_counter() - t0
+        self.resumed_from = manifest.step
+        self.journal.record("resume", step=manifest.step, seconds=seconds, bytes=manifest.total_bytes)
+        if self.rank == 0:
+            log.info("resuming from step %d (%s): %s verified and loaded in %.1f s", manifest.step,
+                     self.storage.url_of(layout.step_dir(manifest.step)), _human_bytes(manifest.total_bytes), seconds)
+        return manifest.step
+
+    def latest(self) -> int | None:
+        """The newest step with a manifest (not verified; ``resume`` verifies)."""
+        committed = self.groups.on_rank0(lambda: [s for s, ok in list_steps(self.storage).items() if ok])
+        return max(committed, default=None)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def wait(self) -> SaveStats | None:
+        """Block until the save in flight committed; re-raise a background error."""
+        return self.engine.wait()
+
+    def close(self, *, clean: bool = True) -> None:
+        """Drain the save in flight, then release the writer. ``clean`` records a clean end in the journal."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.engine.close()
+        finally:
+            if clean:
+                self.journal.record("clean_end", last_step=self.last_save.step if self.last_save else None)
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # the training's exception matters more than a failed drain: log this one
+            self.close(clean=False)
+        except Exception:
+            log.exception("while closing after %s, the last save failed too", exc_type.__name__)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this CheckpointManager is closed; create a new one")

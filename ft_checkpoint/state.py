@@ -1,0 +1,123 @@
+"""Training state as a tree: split it into tensors (for DCP) and everything else (per rank), and back.
+
+``state`` follows DCP's convention: a dict whose values are tensors, nested dicts/lists, plain
+values, or objects with ``state_dict()``/``load_state_dict()`` (modules, optimizers, schedulers,
+samplers, ...). Tensors go to torch.distributed.checkpoint, which shards them and writes a replicated
+tensor once. Everything else forms a small "skeleton" that each rank saves in its own file, loaded back
+with ``torch.load(weights_only=True)`` so that loading never runs pickled code. DCP itself would store
+those values with ``torch.save`` and load them with ``weights_only=False``; that is why they take this
+separate path.
+
+Example:
+    >>> import torch
+    >>> tensors, skeleton = split_tree({"model": {"w": torch.ones(2)}, "step": 7, "betas": (0.9, 0.99)})
+    >>> sorted(tensors), skeleton["step"], skeleton["betas"]
+    (['model/w'], 7, (0.9, 0.99))
+    >>> merge_tree(skeleton, tensors)["model"]["w"]
+    tensor([1., 1.])
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ft_checkpoint.errors import ConfigError
+
+Path = tuple[Any, ...]
+
+
+def is_stateful(obj: Any) -> bool:
+    """Whether ``obj`` has callable ``state_dict`` and ``load_state_dict`` (DCP's Stateful)."""
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def to_tree(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with every stateful value replaced by its ``state_dict()``."""
+    if not isinstance(state, Mapping):
+        raise ConfigError(f"state must be a dict of tensors, dicts and objects with state_dict(); got {type(state).__name__}")
+    return {k: (v.state_dict() if is_stateful(v) else v) for k, v in state.items()}
+
+
+def tensor_key(path: Path) -> str:
+    """The flat DCP key of the tensor at ``path``."""
+    return "/".join(map(str, path))
+
+
+def split_tree(tree: Any) -> tuple[dict[str, torch.Tensor], Any]:
+    """``(tensors by flat key, skeleton)``: the skeleton is the tree with every tensor replaced by None."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(node: Any, path: Path) -> Any:
+        if isinstance(node, torch.Tensor):
+            tensors[tensor_key(path)] = node
+            return None
+        if isinstance(node, Mapping):
+            keys = [str(k) for k in node]
+            if len(set(keys)) != len(keys):
+                raise ConfigError(f"state at {tensor_key(path) or '<root>'!r} has keys that collide as strings: {list(node)}")
+            items = [(k, walk(v, (*path, k))) for k, v in node.items()]
+            return OrderedDict(items) if isinstance(node, OrderedDict) else dict(items)
+        if isinstance(node, (list, tuple)) and type(node) in (list, tuple):
+            return type(node)(walk(v, (*path, i)) for i, v in enumerate(node))
+        return node
+
+    return tensors, walk(tree, ())
+
+
+def merge_tree(skeleton: Any, tensors: Mapping[str, torch.Tensor], path: Path = ()) -> Any:
+    """The inverse of :func:`split_tree`: put ``tensors`` back at their paths."""
+    key = tensor_key(path)
+    if path and key in tensors and skeleton is None:
+        return tensors[key]
+    if isinstance(skeleton, Mapping):
+        items = [(k, merge_tree(v, tensors, (*path, k))) for k, v in skeleton.items()]
+        return OrderedDict(items) if isinstance(skeleton, OrderedDict) else dict(items)
+    if isinstance(skeleton, (list, tuple)) and type(skeleton) in (list, tuple):
+        return type(skeleton)(merge_tree(v, tensors, (*path, i)) for i, v in enumerate(skeleton))
+    return skeleton
+
+
+def load_tree_into(state: dict[str, Any], tree: Mapping[str, Any]) -> None:
+    """Restore ``state`` in place from a loaded tree: ``load_state_dict`` on stateful values, else replace."""
+    missing = [k for k in state if k not in tree]
+    if missing:
+        raise ConfigError(
+            f"state keys {missing} are not in the checkpoint (it has {sorted(tree)}). "
+            "HINT: pass the same state keys to resume() as to save()")
+    for k, v in state.items():
+        if is_stateful(v):
+            v.load_state_dict(tree[k])
+        else:
+            state[k] = tree[k]
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states: torch, CUDA (if initialized), Python and NumPy (if installed)."""
+    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+    except ImportError:
+        return out
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    out["numpy"] = (name, keys.tolist(), int(pos), int(has_gauss), float(cached))
+    return out
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore what :func:`rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))

@@ -1,0 +1,259 @@
+"""Storage: one fsspec filesystem behind a checkpoint directory URL, with retries.
+
+Any local path or fsspec URL works (``/data/run``, ``file://``, ``memory://``, ``gs://`` with gcsfs,
+``s3://`` with s3fs, ...). Transient errors (timeouts, 5xx, throttling, connection resets) are retried
+with bounded exponential backoff and jitter (tenacity); permanent ones (missing bucket, bad
+credentials, malformed URL) fail at once with a message naming the URL and what to check.
+
+Object stores have no append and no atomic rename, so a step is made visible by writing its manifest
+last, in one ``put`` (see ``layout``). On local disk :meth:`Storage.write_bytes` writes to a temporary
+name, fsyncs and renames, so a reader never sees half an object there either.
+
+This module never imports torch: the CLI and tools can use it without a training stack.
+
+Example:
+    >>> s = Storage("memory://doc/run")
+    >>> s.write_bytes("step_000000000001/hello.txt", b"hi")
+    >>> s.read_bytes("step_000000000001/hello.txt")
+    b'hi'
+    >>> s.listdir("")
+    ['step_000000000001']
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import posixpath
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import fsspec
+import tenacity
+from fsspec.core import url_to_fs
+
+from ft_checkpoint.errors import (
+    ConfigError,
+    StorageError,
+    StorageNotFoundError,
+    StoragePermissionError,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Exception class names (anywhere in the MRO) that mean "try again": aiohttp (gcsfs), botocore
+# (s3fs) and requests-style errors, matched by name so this module imports none of them.
+_TRANSIENT_NAMES = frozenset({
+    "ClientConnectionError", "ServerDisconnectedError", "ServerTimeoutError", "ClientOSError",
+    "ClientPayloadError", "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
+    "ConnectionClosedError", "ResponseStreamingError", "TransientError",
+})
+_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+_TRANSIENT_ERRNO = frozenset({errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.EPIPE, errno.EBUSY})
+_LOCAL_PROTOCOLS = frozenset({"file", "local"})
+_BUCKET_PROTOCOLS = frozenset({"gs", "gcs", "s3", "s3a"})
+_EXTRAS = {"gs": "gcs", "gcs": "gcs", "s3": "s3", "s3a": "s3"}
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is worth retrying.
+
+    Example:
+        >>> is_transient(TimeoutError()), is_transient(FileNotFoundError("x"))
+        (True, False)
+    """
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+            return False
+        if isinstance(e, (TimeoutError, ConnectionError)):
+            return True
+        if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNO:
+            return True
+        if any(c.__name__ in _TRANSIENT_NAMES for c in type(e).__mro__):
+            return True
+        status = getattr(e, "code", None) or getattr(e, "status", None)
+        if isinstance(status, int) and status in _TRANSIENT_STATUS:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def make_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """Resolve ``url`` to ``(filesystem, root path)``, with errors that say what to fix.
+
+    Example:
+        >>> fs, root = make_filesystem("memory://doc/x")
+        >>> root
+        '/doc/x'
+    """
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigError(f"dirpath={url!r}: must be a non-empty local path or fsspec URL such as gs://bucket/run")
+    try:
+        return url_to_fs(os.path.expanduser(url), **(storage_options or {}))
+    except ImportError as e:
+        proto = url.split("://", 1)[0]
+        extra = _EXTRAS.get(proto, "all")
+        raise ConfigError(
+            f"dirpath={url!r}: the driver for {proto}:// is not installed ({e}). "
+            f"HINT: pip install 'ft-checkpoint[{extra}]'"
+        ) from e
+    except (ValueError, TypeError) as e:
+        raise ConfigError(
+            f"dirpath={url!r} with storage_options={sorted(storage_options or {})}: {e}. "
+            "HINT: use a local path or a URL of an installed fsspec protocol (file://, memory://, gs://, s3://), "
+            "and only options that filesystem accepts"
+        ) from e
+
+
+class Storage:
+    """A checkpoint directory on any fsspec filesystem; paths below it are relative ``str``.
+
+    Args:
+        url: Local path or fsspec URL of the checkpoint directory.
+        storage_options: Passed to the fsspec filesystem (credentials, endpoint_url, ...).
+        retries: Attempts for an operation that fails with a transient error (>= 1).
+        backoff: Base of the exponential backoff in seconds (with full jitter, capped at 10 s).
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, retries: int = 5,
+                 backoff: float = 0.2) -> None:
+        self.url = url.rstrip("/") if "://" in url else os.path.abspath(os.path.expanduser(url))
+        self.storage_options = dict(storage_options or {})
+        self.fs, self.root = make_filesystem(url, self.storage_options)
+        self.root = self.root.rstrip("/") or "/"
+        self.retries = retries
+        self.backoff = backoff
+        protocols = {self.fs.protocol} if isinstance(self.fs.protocol, str) else set(self.fs.protocol)
+        self.is_local = bool(protocols & _LOCAL_PROTOCOLS)
+        self._bucketed = bool(protocols & _BUCKET_PROTOCOLS)
+
+    def __repr__(self) -> str:
+        return f"Storage({self.url!r})"
+
+    # -- paths ---------------------------------------------------------------------------------
+    def path(self, rel: str = "") -> str:
+        """The filesystem path of ``rel`` (relative to the root)."""
+        return posixpath.join(self.root, rel) if rel else self.root
+
+    def url_of(self, rel: str = "") -> str:
+        """The URL of ``rel``, as a user would type it (for messages and for DCP)."""
+        return f"{self.url}/{rel}" if rel else self.url
+
+    # -- retries and error translation ---------------------------------------------------------
+    def _call(self, what: str, rel: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(is_transient),
+            stop=tenacity.stop_after_attempt(max(1, self.retries)),
+            wait=tenacity.wait_random_exponential(multiplier=self.backoff, max=10),
+            before_sleep=lambda rs: log.warning(
+                "%s %s failed (%s), retrying (attempt %d of %d)", what, self.url_of(rel),
+                rs.outcome.exception(), rs.attempt_number, self.retries),
+            reraise=True,
+        )
+        try:
+            return retrying(fn, *args, **kwargs)
+        except Exception as e:
+            raise self._translate(what, rel, e) from e
+
+    def _translate(self, what: str, rel: str, e: Exception) -> Exception:
+        if isinstance(e, StorageError):
+            return e
+        where = f"{what} {self.url_of(rel)}"
+        if isinstance(e, FileNotFoundError):
+            return StorageNotFoundError(f"{where}: not found ({e}). HINT: check the URL, and that the bucket or directory exists")
+        if isinstance(e, PermissionError):
+            return StoragePermissionError(
+                f"{where}: permission denied ({e}). HINT: check the credentials (storage_options or the "
+                "environment) and that the location is writable")
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return StorageError(f"{where}: no space left on device. HINT: free space or point dirpath elsewhere")
+        if is_transient(e):
+            return StorageError(f"{where}: still failing after {self.retries} attempts: {type(e).__name__}: {e}. "
+                                "HINT: the storage service may be down or unreachable")
+        return StorageError(f"{where}: {type(e).__name__}: {e}")
+
+    # -- primitives ----------------------------------------------------------------------------
+    def ensure_root(self) -> None:
+        """Create the directory (local) or check that its bucket exists (object stores)."""
+        if self.is_local:
+            self._call("create directory", "", self.fs.makedirs, self.root, exist_ok=True)
+        elif self._bucketed:
+            bucket = self.root.lstrip("/").split("/", 1)[0]
+            if not self._call("check bucket of", "", self.fs.exists, bucket):
+                raise StorageNotFoundError(
+                    f"bucket {bucket!r} of {self.url} does not exist. HINT: create it first, or fix the URL")
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """Write one object whole; on local disk durably and atomically (tmp + fsync + rename)."""
+        self._call("write", rel, self._write_local if self.is_local else self._put, rel, data)
+
+    def _put(self, rel: str, data: bytes) -> None:
+        self.fs.pipe_file(self.path(rel), data)
+
+    def _write_local(self, rel: str, data: bytes) -> None:
+        final = self.path(rel)
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        fd = os.open(os.path.dirname(final), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def read_bytes(self, rel: str) -> bytes:
+        """Read one whole object."""
+        return self._call("read", rel, self.fs.cat_file, self.path(rel))
+
+    def iter_chunks(self, rel: str, chunk_size: int = 8 << 20) -> Iterator[bytes]:
+        """Stream an object in chunks (for checksums of large shards without holding them in memory)."""
+        f = self._call("open", rel, self.fs.open, self.path(rel), "rb")
+        with f:
+            while chunk := self._call("read", rel, f.read, chunk_size):
+                yield chunk
+
+    def sizes(self, rel: str = "") -> dict[str, int]:
+        """``{name: size}`` of the files directly inside ``rel`` ({} when it does not exist)."""
+        entries = self._ls(rel)
+        return {posixpath.basename(e["name"].rstrip("/")): int(e.get("size") or 0)
+                for e in entries if e.get("type") != "directory"}
+
+    def listdir(self, rel: str = "") -> list[str]:
+        """Sorted names (files and directories) directly inside ``rel`` ([] when it does not exist)."""
+        return sorted(posixpath.basename(e["name"].rstrip("/")) for e in self._ls(rel))
+
+    def _ls(self, rel: str) -> list[dict[str, Any]]:
+        path = self.path(rel)
+        self.fs.invalidate_cache(path)
+        try:
+            return self._call("list", rel, self.fs.ls, path, detail=True)
+        except StorageNotFoundError:
+            return []
+
+    def exists(self, rel: str) -> bool:
+        """Whether ``rel`` exists (file or directory)."""
+        self.fs.invalidate_cache(self.path(rel))
+        return self._call("check", rel, self.fs.exists, self.path(rel))
+
+    def delete(self, rel: str) -> None:
+        """Delete a file, or a directory and everything in it; deleting nothing is not an error."""
+        path = self.path(rel)
+        self.fs.invalidate_cache(path)
+        try:
+            self._call("delete", rel, self.fs.rm, path, recursive=True)
+        except StorageNotFoundError:
+            pass

@@ -1,0 +1,67 @@
+"""Shared fixtures: real storage servers and one ``backend`` fixture per storage kind."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import uuid
+from typing import Any
+
+import pytest
+
+from tests import servers
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    server = servers.start("gcs")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    server = servers.start("s3")
+    yield server
+    server.stop()
+
+
+@dataclasses.dataclass
+class Backend:
+    """A fresh checkpoint directory on one storage kind."""
+
+    name: str
+    url: str
+    storage_options: dict[str, Any]
+    server: servers.Server | None = None
+
+
+def _make_backend(name: str, request: pytest.FixtureRequest, tmp_path) -> Backend:
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    if name == "local":
+        return Backend(name, str(tmp_path / run), {})
+    if name == "memory":
+        return Backend(name, f"memory://{run}", {})
+    server = request.getfixturevalue(f"{name}_server")
+    bucket = f"bucket-{uuid.uuid4().hex[:8]}"
+    server.make_bucket(bucket)
+    return Backend(name, f"{server.protocol}://{bucket}/{run}", server.storage_options, server)
+
+
+BACKENDS = ["local", "memory", "gcs", "s3"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, tmp_path) -> Backend:
+    """Each test using it runs once per storage kind: local disk, memory://, GCS emulator, S3 server."""
+    return _make_backend(request.param, request, tmp_path)
+
+
+@pytest.fixture
+def local_backend(request, tmp_path) -> Backend:
+    return _make_backend("local", request, tmp_path)
+
+
+@pytest.fixture
+def python() -> str:
+    return sys.executable

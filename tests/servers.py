@@ -1,0 +1,105 @@
+"""Real storage servers for tests: the GCS emulator and moto's S3 server, on 127.0.0.1.
+
+Each server is a real subprocess on a free port; ``start`` waits until the port answers, ``stop``
+kills it by pid. The fixtures in ``conftest.py`` start one of each per test session.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+# gcsfs otherwise asks every bucket for its type over gRPC, which the emulator cannot answer (60 s each).
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stdout.read() if proc.stdout else ''}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"server on port {port} did not answer within {timeout} s")
+
+
+def _bin(name: str) -> str:
+    here = os.path.join(os.path.dirname(sys.executable), name)
+    found = here if os.path.exists(here) else shutil.which(name)
+    if not found:
+        raise RuntimeError(f"{name} is not installed: pip install 'ft-checkpoint[test]'")
+    return found
+
+
+@dataclasses.dataclass
+class Server:
+    """One running storage server and how to reach a bucket on it."""
+
+    kind: str
+    port: int
+    proc: subprocess.Popen
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        if self.kind == "gcs":
+            return {"endpoint_url": self.endpoint, "token": "anon"}
+        return {"endpoint_url": self.endpoint, "key": "testing", "secret": "testing"}
+
+    @property
+    def protocol(self) -> str:
+        return "gs" if self.kind == "gcs" else "s3"
+
+    def env(self) -> dict[str, str]:
+        """Environment for a subprocess that only sees env vars (AWS/GCS client defaults)."""
+        if self.kind == "gcs":
+            return {"STORAGE_EMULATOR_HOST": self.endpoint, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+        return {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                "AWS_ENDPOINT_URL": self.endpoint, "AWS_DEFAULT_REGION": "us-east-1"}
+
+    def make_bucket(self, name: str) -> None:
+        import fsspec
+
+        fs = fsspec.filesystem(self.protocol, skip_instance_cache=True, **self.storage_options)
+        fs.mkdir(name)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+def start(kind: str) -> Server:
+    """Start a ``"gcs"`` or ``"s3"`` server and wait until it answers."""
+    port = free_port()
+    if kind == "gcs":
+        cmd = [_bin("gcp-storage-emulator"), "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory"]
+    elif kind == "s3":
+        cmd = [_bin("moto_server"), "-H", "127.0.0.1", "-p", str(port)]
+    else:
+        raise ValueError(kind)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for_port(port, proc)
+    except Exception:
+        proc.kill()
+        raise
+    return Server(kind, port, proc)

@@ -1,0 +1,126 @@
+"""One storage suite, run against every backend: local disk, memory://, GCS emulator, S3 server."""
+
+from __future__ import annotations
+
+import fsspec
+import pytest
+from fsspec.implementations.memory import MemoryFileSystem
+
+from ft_checkpoint import layout
+from ft_checkpoint.errors import ConfigError, StorageError, StorageNotFoundError
+from ft_checkpoint.storage import Storage, is_transient
+
+
+@pytest.fixture
+def storage(backend) -> Storage:
+    s = Storage(backend.url, backend.storage_options, retries=2, backoff=0.01)
+    s.ensure_root()
+    return s
+
+
+def test_write_read_overwrite(storage):
+    storage.write_bytes("a/b.bin", b"x" * 1000)
+    assert storage.read_bytes("a/b.bin") == b"x" * 1000
+    storage.write_bytes("a/b.bin", b"second")
+    assert storage.read_bytes("a/b.bin") == b"second"
+
+
+def test_listdir_and_sizes(storage):
+    storage.write_bytes("step_000000000002/x.pt", b"12345")
+    storage.write_bytes("step_000000000002/y.pt", b"1")
+    storage.write_bytes("step_000000000010/x.pt", b"")
+    assert storage.listdir("") == ["step_000000000002", "step_000000000010"]
+    assert storage.sizes("step_000000000002") == {"x.pt": 5, "y.pt": 1}
+    assert storage.listdir("missing") == [] and storage.sizes("missing") == {}
+
+
+def test_exists_and_delete(storage):
+    storage.write_bytes("d/one", b"1")
+    storage.write_bytes("d/two", b"2")
+    assert storage.exists("d/one")
+    storage.delete("d/one")
+    assert not storage.exists("d/one") and storage.exists("d/two")
+    storage.delete("d")
+    assert storage.listdir("d") == []
+    storage.delete("never-existed")  # not an error
+
+
+def test_streamed_checksum_matches_whole(storage):
+    data = bytes(range(256)) * 40_000  # 10 MB: several chunks
+    storage.write_bytes("big.bin", data)
+    assert layout.checksum(storage.iter_chunks("big.bin", chunk_size=1 << 20)) == layout.checksum([data])
+
+
+def test_missing_object_names_the_url(storage):
+    with pytest.raises(StorageNotFoundError, match="nothing-here") as e:
+        storage.read_bytes("nothing-here")
+    assert isinstance(e.value, FileNotFoundError)
+    assert storage.url in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["gcs", "s3"])
+def test_missing_bucket_fails_at_once(kind, request):
+    server = request.getfixturevalue(f"{kind}_server")
+    s = Storage(f"{server.protocol}://no-such-bucket-xyz/run", server.storage_options, retries=1)
+    with pytest.raises(StorageNotFoundError, match="no-such-bucket-xyz"):
+        s.ensure_root()
+
+
+def test_unknown_protocol_is_a_config_error():
+    with pytest.raises(ConfigError, match="foo://x"):
+        Storage("foo://x/run")
+
+
+class FlakyMemoryFileSystem(MemoryFileSystem):
+    """A memory filesystem whose first ``failures`` writes raise ConnectionResetError."""
+
+    protocol = "flakymem"
+    failures = 0
+
+    def pipe_file(self, path, value, **kwargs):
+        if FlakyMemoryFileSystem.failures > 0:
+            FlakyMemoryFileSystem.failures -= 1
+            raise ConnectionResetError("injected reset")
+        return super().pipe_file(path, value, **kwargs)
+
+
+fsspec.register_implementation("flakymem", FlakyMemoryFileSystem, clobber=True)
+
+
+def test_transient_errors_are_retried():
+    s = Storage("flakymem://retry", retries=4, backoff=0.001)
+    FlakyMemoryFileSystem.failures = 3
+    s.write_bytes("x", b"ok")
+    assert s.read_bytes("x") == b"ok"
+
+
+def test_retries_are_bounded():
+    s = Storage("flakymem://bounded", retries=2, backoff=0.001)
+    FlakyMemoryFileSystem.failures = 5
+    with pytest.raises(StorageError, match="after 2 attempts"):
+        s.write_bytes("x", b"never")
+    FlakyMemoryFileSystem.failures = 0
+
+
+@pytest.mark.parametrize("exc,expected", [
+    (TimeoutError(), True), (ConnectionResetError(), True), (OSError(11, "again"), True),
+    (FileNotFoundError(), False), (PermissionError(), False), (ValueError(), False),
+])
+def test_is_transient(exc, expected):
+    assert is_transient(exc) is expected
+
+
+def test_is_transient_looks_at_http_status_and_causes():
+    class HttpError(Exception):
+        def __init__(self, code):
+            self.code = code
+
+    assert is_transient(HttpError(503)) and is_transient(HttpError(429))
+    assert not is_transient(HttpError(403))
+    try:
+        try:
+            raise TimeoutError()
+        except TimeoutError as inner:
+            raise RuntimeError("wrapped") from inner
+    except RuntimeError as outer:
+        assert is_transient(outer)
