@@ -28,15 +28,17 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
+import os
 import logging
 import pickle
 import platform
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -110,6 +112,16 @@ class _StorageAdapter(_DCPFsspecAdapter):
         super().__init__()
         self.fs = storage.fs
         self._local = storage.is_local
+        self._read_options = storage.read_options
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        if "r" not in mode or not self._read_options:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with self.fs.open(os.fspath(path), mode, **self._read_options) as stream:
+            yield stream
 
     def rename(self, path: Any, new_path: Any) -> None:
         if self._local:

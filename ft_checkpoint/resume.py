@@ -1,6 +1,7 @@
 """Resume detection: the newest committed step that verifies, agreed on by every rank.
 
-Rank 0 lists the committed steps (those with a manifest), newest first, and every rank gets the list.
+Rank 0 lists the step directories, newest first, and every rank gets the list; one without a manifest
+(an interrupted save) is skipped with a warning like any other that fails.
 For each candidate, every rank checks the manifest and every file's size, and the checksums of its
 share of the files (file ``i`` is hashed by rank ``i % world_size``, so the work is spread). The first
 step that passes everywhere wins. A step that fails is skipped with a warning naming it and the
@@ -65,7 +66,7 @@ def verify_step(storage: Storage, step: int, *, checksums: bool = True, rank: in
 
 def find_resume_step(storage: Storage, groups: Groups, *, verify_checksums: bool = True) -> layout.Manifest | None:
     """The manifest of the newest step that verifies on every rank, or None when there is none."""
-    candidates = groups.on_rank0(lambda: sorted((s for s, ok in list_steps(storage).items() if ok), reverse=True))
+    candidates = groups.on_rank0(lambda: sorted(list_steps(storage), reverse=True))
     skipped = []
     for step in candidates:
         outcome: tuple[str, str | None]

@@ -132,6 +132,9 @@ class Storage:
         protocols = {self.fs.protocol} if isinstance(self.fs.protocol, str) else set(self.fs.protocol)
         self.is_local = bool(protocols & _LOCAL_PROTOCOLS)
         self._bucketed = bool(protocols & _BUCKET_PROTOCOLS)
+        # Plain read-ahead for streamed reads: gcsfs 2026.10's default "adaptive" background
+        # prefetcher was seen to hang on repeated reads of the same object.
+        self.read_options: dict[str, Any] = {} if self.is_local else {"cache_type": "readahead"}
 
     def __repr__(self) -> str:
         return f"Storage({self.url!r})"
@@ -221,7 +224,7 @@ class Storage:
 
     def iter_chunks(self, rel: str, chunk_size: int = 8 << 20) -> Iterator[bytes]:
         """Stream an object in chunks (for checksums of large shards without holding them in memory)."""
-        f = self._call("open", rel, self.fs.open, self.path(rel), "rb")
+        f = self._call("open", rel, self.fs.open, self.path(rel), "rb", **self.read_options)
         with f:
             while chunk := self._call("read", rel, f.read, chunk_size):
                 yield chunk

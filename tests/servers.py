@@ -29,7 +29,7 @@ def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stdout.read() if proc.stdout else ''}")
+            raise RuntimeError(f"server {proc.args} exited with {proc.returncode}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5):
                 return
@@ -87,16 +87,20 @@ class Server:
             self.proc.wait(timeout=10)
 
 
-def start(kind: str) -> Server:
-    """Start a ``"gcs"`` or ``"s3"`` server and wait until it answers."""
-    port = free_port()
+def start(kind: str, *, port: int | None = None, data_dir: str | None = None) -> Server:
+    """Start a ``"gcs"`` or ``"s3"`` server and wait until it answers.
+
+    With ``data_dir`` the GCS emulator keeps its objects on disk there, so a restart finds them again.
+    """
+    port = port or free_port()
     if kind == "gcs":
-        cmd = [_bin("gcp-storage-emulator"), "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory"]
+        cmd = [_bin("gcp-storage-emulator"), "start", "--host", "127.0.0.1", "--port", str(port)]
+        cmd += [] if data_dir else ["--in-memory"]
     elif kind == "s3":
         cmd = [_bin("moto_server"), "-H", "127.0.0.1", "-p", str(port)]
     else:
         raise ValueError(kind)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=data_dir)
     try:
         _wait_for_port(port, proc)
     except Exception:

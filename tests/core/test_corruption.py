@@ -1,0 +1,84 @@
+"""A corrupt newest step: resume falls back to the previous one, with a warning naming step and reason."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from ft_checkpoint import CheckpointManager, layout
+from ft_checkpoint.storage import Storage
+from tests.helpers.toy import assert_same, make, train_step
+
+
+def truncate_shard(s: Storage, rel: str) -> None:
+    data = s.read_bytes(f"{rel}/__0_0.distcp")
+    s.write_bytes(f"{rel}/__0_0.distcp", data[: len(data) // 2])
+
+
+def flip_byte(s: Storage, rel: str) -> None:
+    data = bytearray(s.read_bytes(f"{rel}/__0_0.distcp"))
+    data[len(data) // 2] ^= 0xFF
+    s.write_bytes(f"{rel}/__0_0.distcp", bytes(data))
+
+
+def delete_manifest(s: Storage, rel: str) -> None:
+    s.delete(f"{rel}/{layout.MANIFEST}")
+
+
+def delete_shard(s: Storage, rel: str) -> None:
+    s.delete(f"{rel}/__0_0.distcp")
+
+
+CORRUPTIONS = {
+    truncate_shard: "__0_0.distcp has",
+    flip_byte: "__0_0.distcp does not match its checksum",
+    delete_manifest: "manifest.json is missing",
+    delete_shard: "__0_0.distcp is missing",
+}
+
+
+@pytest.mark.parametrize("corrupt", list(CORRUPTIONS), ids=lambda f: f.__name__)
+def test_falls_back_to_previous_step(backend, corrupt, caplog):
+    state = make()
+    with CheckpointManager(backend.url, storage_options=backend.storage_options, interval=1) as ckpt:
+        train_step(state)
+        ckpt.save(1, state, block=True)
+        step1 = make(seed=3)
+        ckpt.resume(step1)  # a copy of what step 1 holds
+        train_step(state)
+        ckpt.save(2, state, block=True)
+    storage = Storage(backend.url, backend.storage_options)
+    corrupt(storage, layout.step_dir(2))
+
+    caplog.set_level(logging.WARNING, logger="ft_checkpoint")
+    resumed = make(seed=9)
+    with CheckpointManager(backend.url, storage_options=backend.storage_options) as ckpt:
+        assert ckpt.resume(resumed) == 1
+    assert_same(resumed, step1)
+    warning = next(r.getMessage() for r in caplog.records if "skipping step 2" in r.getMessage())
+    assert CORRUPTIONS[corrupt] in warning and "trying the previous one" in warning
+    if corrupt is not delete_manifest:  # the bad step is quarantined, not taken again
+        assert layout.MANIFEST not in storage.listdir(layout.step_dir(2))
+        assert layout.MANIFEST + ".skipped" in storage.listdir(layout.step_dir(2))
+
+
+def test_nothing_verifies_means_fresh_start(local_backend, caplog):
+    with CheckpointManager(local_backend.url, interval=1) as ckpt:
+        ckpt.save(1, make(), block=True)
+    flip_byte(Storage(local_backend.url), layout.step_dir(1))
+    with CheckpointManager(local_backend.url) as ckpt:
+        assert ckpt.resume(make()) is None
+    assert "skipping step 1" in caplog.text
+
+
+def test_manifest_naming_paths_outside_its_step_is_refused(local_backend, caplog):
+    with CheckpointManager(local_backend.url, interval=1) as ckpt:
+        ckpt.save(1, make(), block=True)
+        ckpt.save(2, make(), block=True)
+    s = Storage(local_backend.url)
+    rel = f"{layout.step_dir(2)}/{layout.MANIFEST}"
+    s.write_bytes(rel, s.read_bytes(rel).replace(b'"rank_00000.pt"', b'"../../etc/passwd"'))
+    with CheckpointManager(local_backend.url) as ckpt:
+        assert ckpt.resume(make()) == 1
+    assert "not a plain name inside the step directory" in caplog.text

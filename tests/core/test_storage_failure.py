@@ -1,0 +1,89 @@
+"""Storage failing during a background save: a clear error at the next save or at close; commits intact."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from ft_checkpoint import CheckpointManager
+from ft_checkpoint.errors import SaveError
+from tests import servers
+from tests.helpers.toy import assert_same, make, train_step
+
+
+def set_immutable(path: str, on: bool) -> None:
+    """Make a directory refuse new entries, for root too (chattr), or by mode bits for other users."""
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "+i" if on else "-i", path], check=True)
+    else:
+        os.chmod(path, 0o555 if on else 0o755)
+
+
+def saved_state():
+    state = make()
+    train_step(state)
+    return state
+
+
+def test_read_only_directory_fails_next_save_and_keeps_commits(tmp_path):
+    url = str(tmp_path / "ckpt")
+    state = saved_state()
+    ckpt = CheckpointManager(url, interval=1)
+    ckpt.save(1, state, block=True)
+    ckpt.engine.phase_hook = lambda phase, step: phase == "writing" and step == 2 and set_immutable(url, True)
+    try:
+        ckpt.save(2, state)  # returns once staged; the write fails in the background
+        with pytest.raises(SaveError, match=f"background save to {url} failed.*permission denied"):
+            ckpt.save(3, state)
+    finally:
+        set_immutable(url, False)
+    ckpt.engine.phase_hook = None
+    ckpt.save(4, state, block=True)  # storage is back: saving works again
+    ckpt.close()
+    resumed = make(seed=7)
+    with CheckpointManager(url) as again:
+        assert again.resume(resumed) == 4
+    assert_same(resumed, state)
+    assert sorted(os.listdir(url)) == ["journal", "step_000000000001", "step_000000000004"]
+
+
+def test_read_only_directory_fails_at_close(tmp_path):
+    url = str(tmp_path / "ckpt")
+    ckpt = CheckpointManager(url, interval=1)
+    ckpt.save(1, saved_state(), block=True)
+    ckpt.engine.phase_hook = lambda phase, step: phase == "writing" and set_immutable(url, True)
+    try:
+        ckpt.save(2, saved_state())
+        with pytest.raises(SaveError, match="permission denied"):
+            ckpt.close()
+    finally:
+        set_immutable(url, False)
+    with CheckpointManager(url) as again:
+        assert again.latest() == 1
+
+
+def test_server_stopped_during_background_save(tmp_path):
+    """A real GCS emulator (objects on disk) is killed mid-save, then restarted: step 1 is intact."""
+    server = servers.start("gcs", data_dir=str(tmp_path))
+    try:
+        server.make_bucket("bucket")
+        url, options = "gs://bucket/run", server.storage_options
+        state = saved_state()
+        ckpt = CheckpointManager(url, storage_options=options, interval=1, retries=1)
+        ckpt.save(1, state, block=True)
+        ckpt.engine.phase_hook = lambda phase, step: phase == "writing" and server.stop()
+        ckpt.save(2, state)
+        with pytest.raises(SaveError, match="gs://bucket/run.*(down or unreachable|Cannot connect)"):
+            ckpt.close()
+    finally:
+        server.stop()
+    server = servers.start("gcs", port=server.port, data_dir=str(tmp_path))
+    try:
+        resumed = make(seed=7)
+        with CheckpointManager(url, storage_options=options) as again:
+            assert again.resume(resumed) == 1
+        assert_same(resumed, state)
+    finally:
+        server.stop()

@@ -1,0 +1,47 @@
+"""Import boundaries: the core never imports the frameworks; storage never imports torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+BLOCK = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ImportError("blocked for this test: " + name)
+sys.meta_path.insert(0, Block())
+"""
+
+
+def run_blocked(blocked: set[str], code: str) -> None:
+    script = BLOCK.format(blocked=sorted(blocked)) + code
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_core_imports_without_lightning_or_accelerate():
+    run_blocked({"lightning", "pytorch_lightning", "accelerate"}, """
+import ft_checkpoint
+from ft_checkpoint import CheckpointManager, CheckpointConfig, Storage
+import ft_checkpoint.cli, ft_checkpoint.engine, ft_checkpoint.manager
+m = CheckpointManager("memory://imports", interval=5); m.close()
+""")
+
+
+def test_storage_does_not_import_torch():
+    run_blocked({"torch"}, """
+import ft_checkpoint.storage, ft_checkpoint.layout, ft_checkpoint.config, ft_checkpoint.journal
+import ft_checkpoint.retention, ft_checkpoint.errors
+s = ft_checkpoint.storage.Storage("memory://no-torch")
+s.write_bytes("a", b"1")
+assert "torch" not in sys.modules
+""")
+
+
+@pytest.mark.parametrize("package,blocked", [("lightning_ft", "accelerate"), ("accelerate_ft", "lightning")])
+def test_integrations_do_not_import_each_other(package, blocked):
+    run_blocked({blocked}, f"import {package}\n")
