@@ -142,7 +142,12 @@ class _SafeReader(FsspecReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
-            metadata = _SafeUnpickler(f).load()
+            try:
+                metadata = _SafeUnpickler(f).load()
+            except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
+                if isinstance(e, CheckpointCorruptError):
+                    raise
+                raise CheckpointCorruptError(f".metadata cannot be read ({type(e).__name__}: {e})") from e
         if not isinstance(metadata, Metadata):
             raise CheckpointCorruptError(f".metadata holds a {type(metadata).__name__}, not DCP metadata")
         if getattr(metadata, "storage_meta", None) is not None:
@@ -181,21 +186,25 @@ class CheckpointEngine:
     # -- saving --------------------------------------------------------------------------------
     def save(self, step: int, tree: dict[str, Any], *, per_rank: dict[str, Any] | None = None,
              manifest_fields: dict[str, Any] | None = None,
-             on_commit: Callable[[SaveStats], None] | None = None) -> SaveStats:
+             on_start: Callable[[SaveStats], None] | None = None,
+             on_commit: Callable[[SaveStats], None] | None = None,
+             called_at: float | None = None) -> SaveStats:
         """Stage ``tree`` (tensors and plain values) and write it as step ``step``; returns once staged.
 
         ``per_rank`` is extra state kept in this rank's own file (e.g. RNG states), never deduplicated.
-        ``manifest_fields`` (epoch, metadata) go into the manifest. ``on_commit`` runs on the writer
-        thread after the commit.
+        ``manifest_fields`` (epoch, metadata) go into the manifest. ``on_start`` and ``on_commit`` run
+        on the writer thread, before the write and after the commit. ``called_at`` (a
+        ``time.perf_counter()`` value) is when the caller's save began, so the stall counts its work too.
         """
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if called_at is None else called_at
         self._wait_previous()
         waited = time.perf_counter() - t0
         self._phase("staging", step)
         staged = self._stager.stage({"tree": tree, "per_rank": per_rank or {}})
         stats = SaveStats(step=step, stall=time.perf_counter() - t0, waited=waited)
         self._phase("staged", step)
-        self._future = self._executor.submit(self._write_job(stats, staged, manifest_fields or {}, on_commit))
+        job = self._write_job(stats, staged, manifest_fields or {}, on_start, on_commit)
+        self._future = self._executor.submit(job)
         if not self.async_save:
             self._wait_previous()
         if waited > 0.05:
@@ -235,9 +244,12 @@ class CheckpointEngine:
             self.phase_hook(phase, step)
 
     def _write_job(self, stats: SaveStats, staged: dict[str, Any], fields: dict[str, Any],
+                   on_start: Callable[[SaveStats], None] | None,
                    on_commit: Callable[[SaveStats], None] | None) -> Callable[[], SaveStats]:
         def job() -> SaveStats:
             start = time.perf_counter()
+            if on_start is not None:
+                on_start(stats)
             manifest = self._write(stats.step, staged, fields)
             stats.duration, stats.bytes, stats.committed = time.perf_counter() - start + stats.stall, manifest, True
             if on_commit is not None:
@@ -301,17 +313,23 @@ class CheckpointEngine:
                 for n in names}
 
     # -- loading -------------------------------------------------------------------------------
-    def load(self, step: int, tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Load step ``step``: ``(saved tree, this rank's per_rank state)``.
+    def open_step(self, step: int) -> tuple[Metadata, dict[str, Any]]:
+        """Read the small files of a verified step safely: ``(DCP metadata, this rank's state file)``.
+
+        Raises CheckpointCorruptError before anything is loaded into the training state.
+        """
+        reader = self._reader(step)
+        return reader.read_metadata(), self._read_rank_file(step)
+
+    def load(self, step: int, tree: dict[str, Any],
+             opened: tuple[Metadata, dict[str, Any]] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Load step ``step``: ``(saved tree, this rank's per_rank state)``. Collective.
 
         Tensors of ``tree`` (the current state) with the same key, shape and dtype are filled in place
         (DTensors are resharded by DCP); any other saved tensor is read into a new CPU tensor.
-        Call only for a step that resume verified.
+        Call only for a step that resume verified; ``opened`` is what :meth:`open_step` returned.
         """
-        rel = self.storage.url_of(layout.step_dir(step))
-        reader = _SafeReader(rel, **self.storage.storage_options)
-        reader.fs = _StorageAdapter(self.storage)
-        metadata = reader.read_metadata()
+        metadata, payload = opened or self.open_step(step)
         current, _ = split_tree(tree)
         targets: dict[str, torch.Tensor] = {}
         for key, md in metadata.state_dict_metadata.items():
@@ -322,9 +340,14 @@ class CheckpointEngine:
                 targets[key] = have
             else:
                 targets[key] = torch.empty(md.size, dtype=md.properties.dtype)
-        dcp.load(targets, storage_reader=reader, process_group=self.groups.writer, no_dist=not self.groups.distributed)
-        payload = self._read_rank_file(step)
+        dcp.load(targets, storage_reader=self._reader(step), process_group=self.groups.writer,
+                 no_dist=not self.groups.distributed)
         return merge_tree(payload["skeleton"], targets), payload["per_rank"]
+
+    def _reader(self, step: int) -> _SafeReader:
+        reader = _SafeReader(self.storage.url_of(layout.step_dir(step)), **self.storage.storage_options)
+        reader.fs = _StorageAdapter(self.storage)
+        return reader
 
     def _read_rank_file(self, step: int) -> dict[str, Any]:
         rel = layout.step_dir(step)

@@ -12,7 +12,7 @@ describes checkpoints, it is not one.
 Example:
     >>> from ft_checkpoint.storage import Storage
     >>> s = Storage("memory://doc/journal")
-    >>> j = Journal(s, attempt="20261129T000000Z-abc123")
+    >>> j = Journal(s, attempt="20261129T000000.000000Z-abc123")
     >>> j.record("attempt_start", world_size=1)
     >>> [e["event"] for e in read_journal(s)]
     ['attempt_start']
@@ -40,8 +40,9 @@ _RESTART_ENV = ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COU
 
 
 def new_attempt_id() -> str:
-    """A sortable, unique attempt id: UTC start time plus a random suffix."""
-    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
+    """A sortable, unique attempt id: UTC start time (microseconds) plus a random suffix."""
+    now = time.time()
+    return f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}.{int(now % 1 * 1e6):06d}Z-{uuid.uuid4().hex[:6]}"
 
 
 def launcher_env() -> dict[str, str]:

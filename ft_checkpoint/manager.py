@@ -25,10 +25,10 @@ from ft_checkpoint import layout
 from ft_checkpoint.config import CheckpointConfig
 from ft_checkpoint.dist import Groups
 from ft_checkpoint.engine import CheckpointEngine, SaveStats
-from ft_checkpoint.errors import ConfigError
+from ft_checkpoint.errors import CheckpointCorruptError, ConfigError
 from ft_checkpoint.journal import Journal
 from ft_checkpoint.policy import SaveContext, SavePolicy, policy_from_interval
-from ft_checkpoint.resume import find_resume_step
+from ft_checkpoint.resume import find_resume_step, quarantine, warn_skipped
 from ft_checkpoint.retention import apply_retention, list_steps
 from ft_checkpoint.state import load_tree_into, rng_state, set_rng_state, to_tree
 from ft_checkpoint.storage import Storage
@@ -108,12 +108,13 @@ class CheckpointManager:
              metadata: dict[str, Any] | None = None, block: bool = False) -> SaveStats:
         """Save now. Returns once the state is staged (or committed, with ``block=True``)."""
         self._check_open()
+        called_at = time.perf_counter()
         per_rank = {"rng": rng_state()} if self.config.save_rng_state else {}
-        self.journal.record("save_started", step=step)
         try:
             stats = self.engine.save(step, to_tree(state), per_rank=per_rank,
                                      manifest_fields={"epoch": epoch, "metadata": dict(metadata or {})},
-                                     on_commit=self._after_commit)
+                                     on_start=self._before_write, on_commit=self._after_commit,
+                                     called_at=called_at)
             self.last_save = stats
             self._last_save_time = time.monotonic()
             if block:
@@ -122,6 +123,10 @@ class CheckpointManager:
             self.journal.record("save_failed", step=step, error=f"{type(e).__name__}: {e}")
             raise
         return stats
+
+    def _before_write(self, stats: SaveStats) -> None:
+        """On the writer thread, before the write: journal (rank 0)."""
+        self.journal.record("save_started", step=stats.step, stall=stats.stall)
 
     def _after_commit(self, stats: SaveStats) -> None:
         """On the writer thread, after a commit: journal, log, retention (rank 0)."""
@@ -142,12 +147,12 @@ class CheckpointManager:
         """
         self._check_open()
         t0 = time.perf_counter()
-        manifest = find_resume_step(self.storage, self.groups, verify_checksums=self.config.verify_checksums)
+        manifest, opened = self._find_loadable()
         if manifest is None:
             if self.rank == 0:
                 log.info("no committed checkpoint in %s: starting fresh", self.storage.url)
             return None
-        tree, per_rank = self.engine.load(manifest.step, to_tree(state))
+        tree, per_rank = self.engine.load(manifest.step, to_tree(state), opened)
         load_tree_into(state, tree)
         if self.config.save_rng_state and "rng" in per_rank:
             set_rng_state(per_rank["rng"])
@@ -158,6 +163,26 @@ class CheckpointManager:
             log.info("resuming from step %d (%s): %s verified and loaded in %.1f s", manifest.step,
                      self.storage.url_of(layout.step_dir(manifest.step)), _human_bytes(manifest.total_bytes), seconds)
         return manifest.step
+
+    def _find_loadable(self) -> tuple[Any, Any]:
+        """The newest verified step whose metadata and state files also load safely on every rank."""
+        below = None
+        while True:
+            manifest = find_resume_step(self.storage, self.groups, verify_checksums=self.config.verify_checksums,
+                                        below=below)
+            if manifest is None:
+                return None, None
+            opened, problem = None, None
+            try:
+                opened = self.engine.open_step(manifest.step)
+            except CheckpointCorruptError as e:
+                problem = f"rank {self.rank}: {e}" if self.groups.distributed else str(e)
+            problems = [p for p in self.groups.all_gather(problem) if p]
+            if not problems:
+                return manifest, opened
+            warn_skipped(self.storage, self.groups, manifest.step, problems)
+            self.groups.on_rank0(lambda: quarantine(self.storage, [manifest.step]))
+            below = manifest.step
 
     def latest(self) -> int | None:
         """The newest step with a manifest (not verified; ``resume`` verifies)."""

@@ -64,9 +64,11 @@ def verify_step(storage: Storage, step: int, *, checksums: bool = True, rank: in
     return manifest
 
 
-def find_resume_step(storage: Storage, groups: Groups, *, verify_checksums: bool = True) -> layout.Manifest | None:
-    """The manifest of the newest step that verifies on every rank, or None when there is none."""
-    candidates = groups.on_rank0(lambda: sorted(list_steps(storage), reverse=True))
+def find_resume_step(storage: Storage, groups: Groups, *, verify_checksums: bool = True,
+                     below: int | None = None) -> layout.Manifest | None:
+    """The manifest of the newest step (older than ``below``, if given) that verifies on every rank."""
+    candidates = groups.on_rank0(
+        lambda: sorted((s for s in list_steps(storage) if below is None or s < below), reverse=True))
     skipped = []
     for step in candidates:
         outcome: tuple[str, str | None]
@@ -84,17 +86,23 @@ def find_resume_step(storage: Storage, groups: Groups, *, verify_checksums: bool
             raise StorageError(f"cannot verify step {step} in {storage.url}: {errors[0]}")
         reasons = [msg for kind, msg in outcomes if kind == "corrupt"]
         if not reasons:
-            groups.on_rank0(lambda: _quarantine(storage, skipped))
+            groups.on_rank0(lambda: quarantine(storage, skipped))
             return manifest
-        if groups.rank == 0:
-            log.warning("skipping step %d (%s): %s; trying the previous one",
-                        step, storage.url_of(layout.step_dir(step)), "; ".join(reasons))
+        warn_skipped(storage, groups, step, reasons)
         skipped.append(step)
-    groups.on_rank0(lambda: _quarantine(storage, skipped))
+    groups.on_rank0(lambda: quarantine(storage, skipped))
     return None
 
 
-def _quarantine(storage: Storage, steps: list[int]) -> None:
+def warn_skipped(storage: Storage, groups: Groups, step: int, reasons: list[str]) -> None:
+    """Log (rank 0) that ``step`` is skipped and why."""
+    if groups.rank == 0:
+        log.warning("skipping step %d (%s): %s; trying the previous one",
+                    step, storage.url_of(layout.step_dir(step)), "; ".join(reasons))
+
+
+def quarantine(storage: Storage, steps: list[int]) -> None:
+    """Rename the manifests of ``steps`` to ``manifest.json.skipped``: they no longer count as commits."""
     for step in steps:
         rel = f"{layout.step_dir(step)}/{layout.MANIFEST}"
         try:
