@@ -66,6 +66,18 @@ class CheckpointConfig:
     interval: int | datetime.timedelta | str = "adaptive"
     """When to save: an int (every N steps), a timedelta or duration string (``"30m"``), or ``"adaptive"``."""
 
+    min_interval: float | str | datetime.timedelta | None = None
+    """Adaptive interval: never save more often than this (seconds, timedelta or ``"5m"``)."""
+
+    max_interval: float | str | datetime.timedelta | None = None
+    """Adaptive interval: never save less often than this."""
+
+    mtbf: float | str | datetime.timedelta | None = None
+    """Adaptive interval: prior mean time between failures of this job (default: from ``gpu_failure_rate``)."""
+
+    gpu_failure_rate: float | None = None
+    """Adaptive interval: prior failures per GPU-second (default: Llama 3's, 419 in 54 days on 16,384 GPUs)."""
+
     keep_last: int = 3
     """How many of the newest committed steps to keep (>= 1)."""
 
@@ -91,6 +103,15 @@ class CheckpointConfig:
         if self.dirpath is not None and (not isinstance(self.dirpath, str) or not self.dirpath.strip()):
             _bad("dirpath", self.dirpath, "a non-empty local path or fsspec URL such as 'gs://bucket/run'")
         object.__setattr__(self, "interval", _normalize_interval(self.interval))
+        for name in ("min_interval", "max_interval", "mtbf"):
+            _check_duration(name, getattr(self, name))
+        if self.gpu_failure_rate is not None and (
+                not isinstance(self.gpu_failure_rate, (int, float)) or isinstance(self.gpu_failure_rate, bool)
+                or self.gpu_failure_rate <= 0):
+            _bad("gpu_failure_rate", self.gpu_failure_rate, "a positive number of failures per GPU-second")
+        if (self.min_interval is not None and self.max_interval is not None
+                and parse_duration(self.min_interval) > parse_duration(self.max_interval)):
+            _bad("min_interval", self.min_interval, f"a duration no longer than max_interval={self.max_interval!r}")
         _check_int("keep_last", self.keep_last, minimum=1)
         if self.keep_every_n_steps is not None:
             _check_int("keep_every_n_steps", self.keep_every_n_steps, minimum=1)
@@ -137,6 +158,17 @@ def _check_int(field: str, value: Any, *, minimum: int) -> None:
         _bad(field, value, f"an integer >= {minimum}")
 
 
+def _check_duration(field: str, value: Any) -> None:
+    if value is None:
+        return
+    try:
+        ok = parse_duration(value) > 0
+    except ValueError:
+        ok = False
+    if not ok or isinstance(value, bool):
+        _bad(field, value, "a positive duration: seconds, a timedelta, or a string like '30s', '5m', '6h', '2d'")
+
+
 def _check_names(names: Any, where: str = "argument") -> None:
     for name in names:
         if name not in FIELDS:
@@ -178,6 +210,11 @@ def _parse_env_value(field: str, text: str) -> Any:
             return int(text)
         except ValueError:
             _bad(field, text, "an integer")
+    if field == "gpu_failure_rate":
+        try:
+            return float(text)
+        except ValueError:
+            _bad(field, text, "a positive number of failures per GPU-second")
     if field == "storage_options":
         try:
             options = json.loads(text)

@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import calendar
 import itertools
 import json
 import logging
@@ -74,6 +75,34 @@ class Journal:
                                      json.dumps(body, sort_keys=True).encode())
         except StorageError as e:
             log.warning("could not write journal event %s: %s", event, e)
+
+
+ENDED_EVENTS = ("clean_end", "preempted")
+
+
+def attempt_start_time(attempt: str) -> float:
+    """The UTC start time encoded in an attempt id."""
+    stamp, micro = attempt.split("-", 1)[0].rstrip("Z").split(".")
+    return calendar.timegm(time.strptime(stamp, "%Y%m%dT%H%M%S")) + int(micro) / 1e6
+
+
+def attempt_summaries(storage: Storage) -> list[dict[str, Any]]:
+    """Per attempt, oldest first: ``attempt``, ``start``, ``end`` (last event's time), ``ended`` (cleanly
+    or by an announced preemption). Costs one listing and one small read per attempt."""
+    out = []
+    for attempt in storage.listdir(JOURNAL_DIR):
+        names = [n for n in storage.listdir(f"{JOURNAL_DIR}/{attempt}") if n.endswith(".json")]
+        if not names:
+            continue
+        try:
+            start = attempt_start_time(attempt)
+            end = json.loads(storage.read_bytes(f"{JOURNAL_DIR}/{attempt}/{names[-1]}"))["time"]
+        except (ValueError, KeyError, StorageError) as e:
+            log.warning("skipping unreadable journal attempt %s: %s", attempt, e)
+            continue
+        ended = any(n.split("-", 1)[-1][:-5] in ENDED_EVENTS for n in names)
+        out.append({"attempt": attempt, "start": start, "end": end, "ended": ended})
+    return out
 
 
 def read_journal(storage: Storage) -> list[dict[str, Any]]:

@@ -26,14 +26,32 @@ from ft_checkpoint.config import CheckpointConfig
 from ft_checkpoint.dist import Groups
 from ft_checkpoint.engine import CheckpointEngine, SaveStats
 from ft_checkpoint.errors import CheckpointCorruptError, ConfigError
-from ft_checkpoint.journal import Journal
-from ft_checkpoint.policy import SaveContext, SavePolicy, policy_from_interval
+from ft_checkpoint.failures import count_failures
+from ft_checkpoint.journal import Journal, attempt_summaries
+from ft_checkpoint.policy import (
+    AdaptiveInterval,
+    EveryInterval,
+    EveryNSteps,
+    SaveContext,
+    SavePolicy,
+    policy_from_interval,
+)
 from ft_checkpoint.resume import find_resume_step, quarantine, warn_skipped
 from ft_checkpoint.retention import apply_retention, list_steps
 from ft_checkpoint.state import load_tree_into, rng_state, set_rng_state, to_tree
 from ft_checkpoint.storage import Storage
 
 log = logging.getLogger(__name__)
+
+
+def _find(policy: Any, kind: type) -> Any:
+    """The first policy of type ``kind`` in ``policy`` (which may be an AnyOf), or None."""
+    if isinstance(policy, kind):
+        return policy
+    for p in getattr(policy, "policies", ()):
+        if (found := _find(p, kind)) is not None:
+            return found
+    return None
 
 
 def _human_bytes(n: int) -> str:
@@ -66,16 +84,33 @@ class CheckpointManager:
         self.storage = Storage(self.config.dirpath, self.config.storage_options, retries=self.config.retries)
         self.groups = Groups.create()
         self.groups.on_rank0(self.storage.ensure_root)
-        self.policy = policy or policy_from_interval(self.config.interval)
+        c = self.config
+        self.policy = policy or policy_from_interval(
+            c.interval, world_size=self.groups.world_size, mtbf=c.mtbf, gpu_failure_rate=c.gpu_failure_rate,
+            min_interval=c.min_interval, max_interval=c.max_interval)
+        self.adaptive = _find(self.policy, AdaptiveInterval)
         self.engine = CheckpointEngine(self.storage, self.groups, async_save=self.config.async_save)
         self.journal = Journal(self.storage, enabled=self.groups.rank == 0)
         self.journal.record("attempt_start", world_size=self.groups.world_size)
+        if self.adaptive is not None and self.rank == 0:
+            self._learn_failures()
         self.preempted = False
         """Set by a preemption handler; the next ``maybe_save`` then saves (see ``OnPreemption``)."""
         self.last_save: SaveStats | None = None
         self.resumed_from: int | None = None
         self._last_save_time = time.monotonic()
+        self._last_boundary: float | None = None
+        self._idle_step: float | None = None
+        self._write_steps: list[float] = []
         self._closed = False
+
+    def _learn_failures(self) -> None:
+        """Feed the adaptive policy this job's failures and exposure from the journal (rank 0)."""
+        failures, exposure = count_failures(attempt_summaries(self.storage))
+        self.adaptive.observe_history(failures, exposure)
+        est = self.adaptive.model.estimate(failures, exposure)
+        log.info("adaptive interval: %d failures in %.3g h of this job so far; MTBF estimate %.3g h (+/-%.0f%%)",
+                 failures, exposure / 3600, est.mtbf / 3600, 100 * est.relative_uncertainty)
 
     @property
     def rank(self) -> int:
@@ -84,6 +119,7 @@ class CheckpointManager:
     # -- saving --------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
         """Whether the policy wants a save at ``step`` (the same answer on every rank)."""
+        self._time_step()
         last = self.last_save
         ctx = SaveContext(
             step=step, now=time.monotonic(), last_save_step=last.step if last else self.resumed_from,
@@ -102,7 +138,19 @@ class CheckpointManager:
         if not self.should_save(step):
             return False
         self.save(step, state, epoch=epoch, metadata=metadata)
+        self._last_boundary = time.monotonic()  # the stall is counted once, not again as a slow step
         return True
+
+    def _time_step(self) -> None:
+        """Step times at each boundary: while a write runs they measure its slowdown of training."""
+        now = time.monotonic()
+        if self._last_boundary is not None:
+            dt = now - self._last_boundary
+            if self.engine.in_flight:
+                self._write_steps.append(dt)
+            else:
+                self._idle_step = dt if self._idle_step is None else 0.9 * self._idle_step + 0.1 * dt
+        self._last_boundary = now
 
     def save(self, step: int, state: dict[str, Any], *, epoch: int | None = None,
              metadata: dict[str, Any] | None = None, block: bool = False) -> SaveStats:
@@ -138,6 +186,29 @@ class CheckpointManager:
                  self.storage.url, _human_bytes(stats.bytes or 0), stats.stall, stats.duration or 0.0)
         apply_retention(self.storage, keep_last=self.config.keep_last,
                         keep_every_n_steps=self.config.keep_every_n_steps)
+        if self.adaptive is not None:
+            during, self._write_steps = self._write_steps, []
+            idle = self._idle_step
+            slowdown = sum(max(0.0, dt - idle) for dt in during) if idle is not None else 0.0
+            self.adaptive.observe_save(cost=stats.stall + slowdown, durable=stats.duration or 0.0)
+
+    def metrics(self) -> dict[str, float]:
+        """Numbers worth logging: the last save's stall, time to durable and bytes; the interval."""
+        out: dict[str, float] = {}
+        last = self.last_save
+        if last is not None:
+            out["stall_s"] = last.stall
+            if last.committed:
+                out.update(durable_s=last.duration or 0.0, bytes=float(last.bytes or 0))
+        if self.adaptive is not None:
+            out.update(self.adaptive.last_decision or {"interval_s": self.adaptive.seconds})
+        else:
+            fixed = _find(self.policy, EveryInterval) or _find(self.policy, EveryNSteps)
+            if isinstance(fixed, EveryInterval):
+                out["interval_s"] = fixed.seconds
+            elif fixed is not None:
+                out["interval_steps"] = float(fixed.n)
+        return out
 
     # -- resuming ------------------------------------------------------------------------------
     def resume(self, state: dict[str, Any]) -> int | None:

@@ -17,6 +17,8 @@ INVALID = [
     ("storage_options", "token=anon"),
     ("async_save", "yes"), ("save_rng_state", 1), ("verify_checksums", None),
     ("retries", 0),
+    ("min_interval", "-5m"), ("max_interval", 0), ("mtbf", "often"), ("gpu_failure_rate", 0),
+    ("gpu_failure_rate", "high"),
 ]
 
 
@@ -100,3 +102,8 @@ def test_manager_needs_a_dirpath(monkeypatch):
 def test_wrong_url_scheme_is_clear():
     with pytest.raises(ConfigError, match=r"dirpath='nosuch://b/run'.*Protocol not known"):
         CheckpointManager("nosuch://b/run")
+
+
+def test_min_interval_cannot_exceed_max_interval():
+    with pytest.raises(ConfigError, match="min_interval='2h'.*max_interval='1h'"):
+        CheckpointConfig(min_interval="2h", max_interval="1h")

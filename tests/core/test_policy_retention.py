@@ -35,11 +35,6 @@ def test_preemption_and_combination():
     assert not (EveryNSteps(100) | EveryInterval(5)).deterministic
 
 
-def test_adaptive_falls_back_with_a_warning(caplog):
-    assert "EveryInterval(600s)" in repr(policy_from_interval("adaptive"))
-    assert "not available in this version" in caplog.text
-
-
 @pytest.mark.parametrize("steps,keep_last,every,expected", [
     ({1: True, 2: True, 3: True, 4: True}, 2, None, [1, 2]),
     ({1: True, 2: False, 3: True, 5: False}, 1, None, [1, 2]),  # partial 5 is newer than the newest commit
