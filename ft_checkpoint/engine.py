@@ -35,7 +35,6 @@ import os
 import logging
 import pickle
 import platform
-import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -179,7 +178,6 @@ class CheckpointEngine:
             use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda))
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-checkpoint-writer")
         self._future: Future[SaveStats] | None = None
-        self._lock = threading.Lock()
         self.phase_hook: Callable[[str, int], None] | None = None
         """Called as ``hook(phase, step)`` at each phase of a save (for tests, tracing and fault injection)."""
 

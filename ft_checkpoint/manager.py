@@ -25,7 +25,7 @@ from ft_checkpoint import layout
 from ft_checkpoint.config import CheckpointConfig
 from ft_checkpoint.dist import Groups
 from ft_checkpoint.engine import CheckpointEngine, SaveStats
-from ft_checkpoint.errors import CheckpointCorruptError, ConfigError
+from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, StorageError
 from ft_checkpoint.failures import count_failures
 from ft_checkpoint.journal import Journal, attempt_summaries
 from ft_checkpoint.policy import (
@@ -184,8 +184,11 @@ class CheckpointManager:
                             duration=stats.duration, bytes=stats.bytes)
         log.info("committed step %d to %s: %s, stall %.3f s, durable after %.2f s", stats.step,
                  self.storage.url, _human_bytes(stats.bytes or 0), stats.stall, stats.duration or 0.0)
-        apply_retention(self.storage, keep_last=self.config.keep_last,
-                        keep_every_n_steps=self.config.keep_every_n_steps)
+        try:  # the step is committed: a failed clean-up must not make the save look failed
+            apply_retention(self.storage, keep_last=self.config.keep_last,
+                            keep_every_n_steps=self.config.keep_every_n_steps)
+        except StorageError as e:
+            log.warning("retention after step %d failed (will retry after the next commit): %s", stats.step, e)
         if self.adaptive is not None:
             during, self._write_steps = self._write_steps, []
             idle = self._idle_step
