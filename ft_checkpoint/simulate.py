@@ -73,7 +73,7 @@ class _Ours:
 
 def _run(interval: Callable[[float], float], on_checkpoint: Callable[[float], None],
          on_failure: Callable[[float], None], failures: Iterator[float], *, work: float, cost: float,
-         restart: float) -> dict[str, float]:
+         restart: float, stop_when_learned: bool = False) -> dict[str, float]:
     t = done = 0.0
     marks: dict[str, tuple[float, float]] = {}
     count = 0
@@ -94,6 +94,8 @@ def _run(interval: Callable[[float], float], on_checkpoint: Callable[[float], No
         on_failure(t)
         if count >= LEARNED_AFTER and "learned" not in marks:
             marks["learned"] = (t, done)
+            if stop_when_learned:
+                return {"before": 1 - done / t}
     t_mark, done_mark = marks.get("learned", (t, done))
     before = 1 - done_mark / t_mark if t_mark > 0 else 0.0
     after = 1 - (work - done_mark) / (t - t_mark) if t > t_mark else float("nan")
@@ -101,24 +103,40 @@ def _run(interval: Callable[[float], float], on_checkpoint: Callable[[float], No
 
 
 def simulate_scenario(mtbf: float, cost: float, *, restart: float = 60.0, seeds: int = 3,
-                      work_mtbfs: float = 50.0, shape: float | None = None,
-                      world_size: int = 1024) -> dict[str, dict[str, float]]:
-    """Mean waste fractions of every policy for one (MTBF, cost) scenario, over ``seeds`` runs."""
+                      work_mtbfs: float = 50.0, shape: float | None = None, world_size: int = 1024,
+                      early_seeds: int | None = None) -> dict[str, dict[str, float]]:
+    """Mean waste fractions of every policy for one (MTBF, cost) scenario.
+
+    ``all`` and ``after`` (from the 5th failure on) average ``seeds`` runs of ``work_mtbfs`` MTBFs
+    of work; ``before`` (until the 5th failure) averages ``early_seeds`` runs (default ``10 * seeds``)
+    that stop there, since that short window needs many runs to average out luck.
+    """
     work = work_mtbfs * mtbf
     totals: dict[str, dict[str, float]] = {p: {} for p in POLICIES}
-    for seed in range(seeds):
+    early_seeds = early_seeds or 10 * seeds
+    for seed in range(max(seeds, early_seeds)):
         for name in POLICIES:
-            rng = random.Random(f"{seed}-{mtbf}-{cost}-{shape}")
-            ours = _Ours(world_size, restart) if name == "ours" else None
-            fixed = _fixed_interval(name, mtbf, cost)
-            result = _run(
-                ours.interval if ours else (lambda now, f=fixed: f),
-                (lambda now: ours.checkpointed(cost, now)) if ours else (lambda now: None),
-                ours.failed if ours else (lambda now: None),
-                failure_times(rng, mtbf, shape), work=work, cost=cost, restart=restart)
-            for k, v in result.items():
-                totals[name][k] = totals[name].get(k, 0.0) + v / seeds
+            for early in (False, True):
+                if seed >= (early_seeds if early else seeds):
+                    continue
+                result = _simulate_one(name, seed, mtbf, cost, restart, work, shape, world_size, early)
+                n = early_seeds if early else seeds
+                for k, v in result.items():
+                    if early == (k == "before"):
+                        totals[name][k] = totals[name].get(k, 0.0) + v / n
     return totals
+
+
+def _simulate_one(name: str, seed: int, mtbf: float, cost: float, restart: float, work: float,
+                  shape: float | None, world_size: int, early: bool) -> dict[str, float]:
+    rng = random.Random(f"{seed}-{float(mtbf)}-{float(cost)}-{shape}")
+    ours = _Ours(world_size, restart) if name == "ours" else None
+    fixed = _fixed_interval(name, mtbf, cost)
+    return _run(
+        ours.interval if ours else (lambda now: fixed),
+        (lambda now: ours.checkpointed(cost, now)) if ours else (lambda now: None),
+        ours.failed if ours else (lambda now: None),
+        failure_times(rng, mtbf, shape), work=work, cost=cost, restart=restart, stop_when_learned=early)
 
 
 def _fixed_interval(name: str, mtbf: float, cost: float) -> float:
