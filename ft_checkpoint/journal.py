@@ -24,11 +24,13 @@ import calendar
 import itertools
 import json
 import logging
+import math
 import os
 import socket
 import threading
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ft_checkpoint.errors import StorageError
@@ -54,12 +56,49 @@ def launcher_env() -> dict[str, str]:
 class Journal:
     """Writes this attempt's events (a no-op unless ``enabled``)."""
 
-    def __init__(self, storage: Storage, *, attempt: str | None = None, enabled: bool = True) -> None:
+    def __init__(self, storage: Storage, *, attempt: str | None = None, enabled: bool = True,
+                 progress_every: float = 10.0) -> None:
         self.storage = storage
         self.attempt = attempt or new_attempt_id()
         self.enabled = enabled
+        self.progress_every = progress_every
         self._seq = itertools.count()
         self._lock = threading.Lock()
+        self._progress_at = -math.inf
+        self._progress_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-checkpoint-journal")
+        self._progress_pending: Future[None] | None = None
+        self._latest_step: int | None = None
+        self._written_step: int | None = None
+
+    def progress(self, step: int, *, force: bool = False) -> None:
+        """Note the step reached, at most every ``progress_every`` seconds, without blocking the caller.
+
+        One object per attempt (``progress.json``), overwritten: how far an attempt got before it
+        died, and so how much work its restart recomputed.
+        """
+        now = time.monotonic()
+        self._latest_step = step
+        pending = self._progress_pending
+        if not self.enabled or (not force and now - self._progress_at < self.progress_every):
+            return
+        if pending is not None and not pending.done():
+            return
+        self._progress_at = now
+        self._progress_pending = self._progress_writer.submit(self._write_progress, step)
+
+    def _write_progress(self, step: int) -> None:
+        body = json.dumps({"step": step, "time": time.time(), "attempt": self.attempt}).encode()
+        try:
+            self.storage.write_bytes(f"{JOURNAL_DIR}/{self.attempt}/{PROGRESS}", body)
+            self._written_step = step
+        except StorageError as e:
+            log.warning("could not write journal progress: %s", e)
+
+    def close(self) -> None:
+        """Finish pending progress writes and note the last step reached."""
+        self._progress_writer.shutdown(wait=True)
+        if self.enabled and self._latest_step is not None and self._latest_step != self._written_step:
+            self._write_progress(self._latest_step)
 
     def record(self, event: str, **fields: Any) -> None:
         """Write one event with the wall-clock time; storage errors are logged, not raised."""
@@ -78,6 +117,7 @@ class Journal:
 
 
 ENDED_EVENTS = ("clean_end", "preempted")
+PROGRESS = "progress.json"
 
 
 def attempt_start_time(attempt: str) -> float:
@@ -87,21 +127,25 @@ def attempt_start_time(attempt: str) -> float:
 
 
 def attempt_summaries(storage: Storage) -> list[dict[str, Any]]:
-    """Per attempt, oldest first: ``attempt``, ``start``, ``end`` (last event's time), ``ended`` (cleanly
-    or by an announced preemption). Costs one listing and one small read per attempt."""
+    """Per attempt, oldest first: ``attempt``, ``start``, ``end`` (time of its last sign of life),
+    ``ended`` (cleanly or by an announced preemption) and ``last_step`` (its last progress note, or
+    None). Costs one listing and at most two small reads per attempt."""
     out = []
     for attempt in storage.listdir(JOURNAL_DIR):
-        names = [n for n in storage.listdir(f"{JOURNAL_DIR}/{attempt}") if n.endswith(".json")]
-        if not names:
+        names = storage.listdir(f"{JOURNAL_DIR}/{attempt}")
+        events = [n for n in names if n.endswith(".json") and n != PROGRESS]
+        if not events:
             continue
         try:
             start = attempt_start_time(attempt)
-            end = json.loads(storage.read_bytes(f"{JOURNAL_DIR}/{attempt}/{names[-1]}"))["time"]
+            end = json.loads(storage.read_bytes(f"{JOURNAL_DIR}/{attempt}/{events[-1]}"))["time"]
+            progress = json.loads(storage.read_bytes(f"{JOURNAL_DIR}/{attempt}/{PROGRESS}")) if PROGRESS in names else {}
         except (ValueError, KeyError, StorageError) as e:
             log.warning("skipping unreadable journal attempt %s: %s", attempt, e)
             continue
-        ended = any(n.split("-", 1)[-1][:-5] in ENDED_EVENTS for n in names)
-        out.append({"attempt": attempt, "start": start, "end": end, "ended": ended})
+        ended = any(n.split("-", 1)[-1][:-5] in ENDED_EVENTS for n in events)
+        out.append({"attempt": attempt, "start": start, "end": max(end, progress.get("time", end)),
+                    "ended": ended, "last_step": progress.get("step")})
     return out
 
 
@@ -110,7 +154,7 @@ def read_journal(storage: Storage) -> list[dict[str, Any]]:
     events = []
     for attempt in storage.listdir(JOURNAL_DIR):
         for name in storage.listdir(f"{JOURNAL_DIR}/{attempt}"):
-            if not name.endswith(".json"):
+            if not name.endswith(".json") or name == PROGRESS:
                 continue
             try:
                 events.append(json.loads(storage.read_bytes(f"{JOURNAL_DIR}/{attempt}/{name}")))

@@ -120,6 +120,7 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         """Whether the policy wants a save at ``step`` (the same answer on every rank)."""
         self._time_step()
+        self.journal.progress(step)
         last = self.last_save
         ctx = SaveContext(
             step=step, now=time.monotonic(), last_save_step=last.step if last else self.resumed_from,
@@ -157,6 +158,7 @@ class CheckpointManager:
         """Save now. Returns once the state is staged (or committed, with ``block=True``)."""
         self._check_open()
         called_at = time.perf_counter()
+        self.journal.progress(step, force=True)
         per_rank = {"rng": rng_state()} if self.config.save_rng_state else {}
         try:
             stats = self.engine.save(step, to_tree(state), per_rank=per_rank,
@@ -273,7 +275,10 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
-        self.engine.close()  # a failed drain raises here: that is no clean end
+        try:
+            self.engine.close()  # a failed drain raises here: that is no clean end
+        finally:
+            self.journal.close()
         if clean:
             self.journal.record("clean_end", last_step=self.last_save.step if self.last_save else None)
 

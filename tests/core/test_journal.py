@@ -26,3 +26,16 @@ def test_events_of_two_attempts(backend):
     resume = next(e for e in events if e["event"] == "resume")
     assert resume["step"] == 2
     assert "pid" in events[0] and "host" in events[0]
+
+
+def test_progress_notes_how_far_each_attempt_got(tmp_path):
+    from ft_checkpoint.journal import attempt_summaries
+
+    url = str(tmp_path / "c")
+    with CheckpointManager(url, interval=5) as ckpt:
+        ckpt.journal.progress_every = 0.0
+        state = make()
+        for step in range(1, 13):
+            ckpt.maybe_save(step, state)
+    (summary,) = attempt_summaries(Storage(url))
+    assert summary["last_step"] == 12 and summary["ended"] and summary["end"] >= summary["start"]
