@@ -99,6 +99,10 @@ class CheckpointConfig:
     retries: int = 5
     """Attempts for a storage operation that fails with a transient error (>= 1)."""
 
+    on_save_error: str = "raise"
+    """A save that fails in the background: ``"raise"`` it at the next save/wait/close, or ``"warn"``
+    loudly and keep training (the last committed step stays the resume point)."""
+
     def __post_init__(self) -> None:
         if self.dirpath is not None and (not isinstance(self.dirpath, str) or not self.dirpath.strip()):
             _bad("dirpath", self.dirpath, "a non-empty local path or fsspec URL such as 'gs://bucket/run'")
@@ -121,6 +125,8 @@ class CheckpointConfig:
             if not isinstance(getattr(self, name), bool):
                 _bad(name, getattr(self, name), "True or False")
         _check_int("retries", self.retries, minimum=1)
+        if self.on_save_error not in ("raise", "warn"):
+            _bad("on_save_error", self.on_save_error, "'raise' or 'warn'")
 
     def replace(self, **changes: Any) -> CheckpointConfig:
         """A copy with ``changes`` applied (validated)."""

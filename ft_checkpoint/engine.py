@@ -166,13 +166,11 @@ class CheckpointEngine:
     Args:
         storage: The checkpoint directory.
         groups: Rank, world size and process groups (``Groups()`` for a single process).
-        async_save: False makes :meth:`save` return only after the step committed.
     """
 
-    def __init__(self, storage: Storage, groups: Groups, *, async_save: bool = True) -> None:
+    def __init__(self, storage: Storage, groups: Groups) -> None:
         self.storage = storage
         self.groups = groups
-        self.async_save = async_save
         cuda = torch.cuda.is_available()
         self._stager = DefaultStager(StagingOptions(
             use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda))
@@ -186,16 +184,23 @@ class CheckpointEngine:
              manifest_fields: dict[str, Any] | None = None,
              on_start: Callable[[SaveStats], None] | None = None,
              on_commit: Callable[[SaveStats], None] | None = None,
+             on_previous_error: Callable[[SaveError], None] | None = None,
              called_at: float | None = None) -> SaveStats:
         """Stage ``tree`` (tensors and plain values) and write it as step ``step``; returns once staged.
 
         ``per_rank`` is extra state kept in this rank's own file (e.g. RNG states), never deduplicated.
         ``manifest_fields`` (epoch, metadata) go into the manifest. ``on_start`` and ``on_commit`` run
-        on the writer thread, before the write and after the commit. ``called_at`` (a
-        ``time.perf_counter()`` value) is when the caller's save began, so the stall counts its work too.
+        on the writer thread, before the write and after the commit. ``on_previous_error`` receives
+        the previous save's error instead of it being raised. ``called_at`` (a ``time.perf_counter()``
+        value) is when the caller's save began, so the stall counts its work too.
         """
         t0 = time.perf_counter() if called_at is None else called_at
-        self._wait_previous()
+        try:
+            self._wait_previous()
+        except SaveError as e:
+            if on_previous_error is None:
+                raise
+            on_previous_error(e)
         waited = time.perf_counter() - t0
         self._phase("staging", step)
         staged = self._stager.stage({"tree": tree, "per_rank": per_rank or {}})
@@ -203,8 +208,6 @@ class CheckpointEngine:
         self._phase("staged", step)
         job = self._write_job(stats, staged, manifest_fields or {}, on_start, on_commit)
         self._future = self._executor.submit(job)
-        if not self.async_save:
-            self._wait_previous()
         if waited > 0.05:
             log.info("save of step %d waited %.2f s for the previous save to commit", step, waited)
         return stats

@@ -25,7 +25,7 @@ from ft_checkpoint import layout
 from ft_checkpoint.config import CheckpointConfig
 from ft_checkpoint.dist import Groups
 from ft_checkpoint.engine import CheckpointEngine, SaveStats
-from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, StorageError
+from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, SaveError, StorageError
 from ft_checkpoint.failures import count_failures
 from ft_checkpoint.journal import Journal, attempt_summaries
 from ft_checkpoint.policy import (
@@ -89,7 +89,7 @@ class CheckpointManager:
             c.interval, world_size=self.groups.world_size, mtbf=c.mtbf, gpu_failure_rate=c.gpu_failure_rate,
             min_interval=c.min_interval, max_interval=c.max_interval)
         self.adaptive = _find(self.policy, AdaptiveInterval)
-        self.engine = CheckpointEngine(self.storage, self.groups, async_save=self.config.async_save)
+        self.engine = CheckpointEngine(self.storage, self.groups)
         self.journal = Journal(self.storage, enabled=self.groups.rank == 0)
         self.journal.record("attempt_start", world_size=self.groups.world_size)
         if self.adaptive is not None and self.rank == 0:
@@ -98,6 +98,9 @@ class CheckpointManager:
         """Set by a preemption handler; the next ``maybe_save`` then saves (see ``OnPreemption``)."""
         self.last_save: SaveStats | None = None
         self.resumed_from: int | None = None
+        self.failed_saves = 0
+        """Saves that failed (with ``on_save_error="warn"`` training goes on after them)."""
+        self._last_committed: int | None = None
         self._last_save_time = time.monotonic()
         self._last_boundary: float | None = None
         self._idle_step: float | None = None
@@ -160,19 +163,24 @@ class CheckpointManager:
         called_at = time.perf_counter()
         self.journal.progress(step, force=True)
         per_rank = {"rng": rng_state()} if self.config.save_rng_state else {}
-        try:
-            stats = self.engine.save(step, to_tree(state), per_rank=per_rank,
-                                     manifest_fields={"epoch": epoch, "metadata": dict(metadata or {})},
-                                     on_start=self._before_write, on_commit=self._after_commit,
-                                     called_at=called_at)
-            self.last_save = stats
-            self._last_save_time = time.monotonic()
-            if block:
-                self.engine.wait()
-        except Exception as e:
-            self.journal.record("save_failed", step=step, error=f"{type(e).__name__}: {e}")
-            raise
+        stats = self.engine.save(step, to_tree(state), per_rank=per_rank,
+                                 manifest_fields={"epoch": epoch, "metadata": dict(metadata or {})},
+                                 on_start=self._before_write, on_commit=self._after_commit,
+                                 on_previous_error=self._save_failed, called_at=called_at)
+        self.last_save = stats
+        self._last_save_time = time.monotonic()
+        if block or not self.config.async_save:
+            self.wait()
         return stats
+
+    def _save_failed(self, error: SaveError) -> None:
+        """A save failed: journal it, then raise (``on_save_error="raise"``) or warn loudly and go on."""
+        self.failed_saves += 1
+        self.journal.record("save_failed", error=str(error))
+        if self.config.on_save_error == "raise":
+            raise error
+        log.warning("CHECKPOINT SAVE FAILED (%d so far), training continues; resume would use step %s. %s",
+                    self.failed_saves, self._last_committed, error)
 
     def _before_write(self, stats: SaveStats) -> None:
         """On the writer thread, before the write: journal (rank 0)."""
@@ -180,6 +188,7 @@ class CheckpointManager:
 
     def _after_commit(self, stats: SaveStats) -> None:
         """On the writer thread, after a commit: journal, log, retention (rank 0)."""
+        self._last_committed = stats.step
         if self.rank != 0:
             return
         self.journal.record("commit", step=stats.step, stall=stats.stall, waited=stats.waited,
@@ -205,6 +214,7 @@ class CheckpointManager:
             out["stall_s"] = last.stall
             if last.committed:
                 out.update(durable_s=last.duration or 0.0, bytes=float(last.bytes or 0))
+        out["failed_saves"] = float(self.failed_saves)
         if self.adaptive is not None:
             out.update(self.adaptive.last_decision or {"interval_s": self.adaptive.seconds})
         else:
@@ -233,7 +243,7 @@ class CheckpointManager:
         if self.config.save_rng_state and "rng" in per_rank:
             set_rng_state(per_rank["rng"])
         seconds = time.perf_counter() - t0
-        self.resumed_from = manifest.step
+        self.resumed_from = self._last_committed = manifest.step
         self.journal.record("resume", step=manifest.step, seconds=seconds, bytes=manifest.total_bytes)
         if self.rank == 0:
             log.info("resuming from step %d (%s): %s verified and loaded in %.1f s", manifest.step,
@@ -267,8 +277,12 @@ class CheckpointManager:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def wait(self) -> SaveStats | None:
-        """Block until the save in flight committed; re-raise a background error."""
-        return self.engine.wait()
+        """Block until the save in flight committed; a background error is raised (or warned about)."""
+        try:
+            return self.engine.wait()
+        except SaveError as e:
+            self._save_failed(e)
+            return None
 
     def close(self, *, clean: bool = True) -> None:
         """Drain the save in flight, then release the writer. ``clean`` records a clean end in the journal."""
@@ -276,8 +290,9 @@ class CheckpointManager:
             return
         self._closed = True
         try:
-            self.engine.close()  # a failed drain raises here: that is no clean end
+            self.wait()  # a failed drain raises here (on_save_error="raise"): that is no clean end
         finally:
+            self.engine.close()
             self.journal.close()
         if clean:
             self.journal.record("clean_end", last_step=self.last_save.step if self.last_save else None)

@@ -18,7 +18,7 @@ INVALID = [
     ("async_save", "yes"), ("save_rng_state", 1), ("verify_checksums", None),
     ("retries", 0),
     ("min_interval", "-5m"), ("max_interval", 0), ("mtbf", "often"), ("gpu_failure_rate", 0),
-    ("gpu_failure_rate", "high"),
+    ("gpu_failure_rate", "high"), ("on_save_error", "ignore"),
 ]
 
 

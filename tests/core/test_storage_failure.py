@@ -87,3 +87,24 @@ def test_server_stopped_during_background_save(tmp_path):
         assert_same(resumed, state)
     finally:
         server.stop()
+
+
+def test_on_save_error_warn_keeps_training_and_commits(tmp_path, caplog):
+    url = str(tmp_path / "ckpt")
+    state = saved_state()
+    ckpt = CheckpointManager(url, interval=1, on_save_error="warn")
+    ckpt.save(1, state, block=True)
+    ckpt.engine.phase_hook = lambda phase, step: phase == "writing" and step in (2, 3) and set_immutable(url, True)
+    try:
+        ckpt.save(2, state)
+        ckpt.save(3, state)  # warns about step 2, then fails again in the background
+        ckpt.wait()  # warns about step 3
+    finally:
+        set_immutable(url, False)
+    assert ckpt.failed_saves == 2 and ckpt.metrics()["failed_saves"] == 2
+    assert caplog.text.count("CHECKPOINT SAVE FAILED") == 2 and "resume would use step 1" in caplog.text
+    ckpt.engine.phase_hook = None
+    ckpt.save(4, state, block=True)
+    ckpt.close()
+    with CheckpointManager(url) as again:
+        assert again.resume(saved_state()) == 4
