@@ -42,13 +42,21 @@ _EXPORTS = {
     "StorageError": "ft_checkpoint.errors",
     "CheckpointCorruptError": "ft_checkpoint.errors",
     "SaveError": "ft_checkpoint.errors",
+    "LeaseError": "ft_checkpoint.errors",
 }
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
     from ft_checkpoint.config import CheckpointConfig, parse_duration
     from ft_checkpoint.engine import CheckpointEngine, SaveStats
-    from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, FTCheckpointError, SaveError, StorageError
+    from ft_checkpoint.errors import (
+        CheckpointCorruptError,
+        ConfigError,
+        FTCheckpointError,
+        LeaseError,
+        SaveError,
+        StorageError,
+    )
     from ft_checkpoint.journal import Journal, read_journal
     from ft_checkpoint.layout import Manifest
     from ft_checkpoint.manager import CheckpointManager

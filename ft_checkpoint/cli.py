@@ -2,8 +2,18 @@
 
     ft-checkpoint plan --mtbf 6h --cost 5m [--restart 2m] [--json] [--plot waste.png]
     ft-checkpoint simulate [--mtbf 15m,1h,6h,1d,1w] [--cost 1s,10s,1m,10m] [--weibull 0.7] [--json]
+    ft-checkpoint ls DIR [--json]
+    ft-checkpoint verify DIR [--step N | --all] [--json]
+    ft-checkpoint inspect DIR [--step N] [--json]
+    ft-checkpoint gc DIR --keep N [--keep-every M] [--dry-run] [--json]
+    ft-checkpoint report DIR [--plot timeline.png] [--json]
 
-Durations accept seconds or ``30s``, ``5m``, ``6h``, ``2d``, ``1w``.
+Durations accept seconds or ``30s``, ``5m``, ``6h``, ``2d``, ``1w``. ``DIR`` is a local path or an
+fsspec URL (``gs://bucket/run``); storage options (credentials, endpoint) come from
+``FT_CHECKPOINT_STORAGE_OPTIONS`` (a JSON object) or the file named by ``FT_CHECKPOINT_CONFIG``, like the
+training's; without ``DIR``, ``FT_CHECKPOINT_DIRPATH``. The logic lives in ``ft_checkpoint.catalog`` and
+``ft_checkpoint.goodput``; this module parses arguments and prints. Exit codes: 0 ok; 1 ``verify``
+found a problem; 2 a usage, configuration or storage error.
 
 Example:
     >>> main(["plan", "--mtbf", "6h", "--cost", "5m", "--json"])  # doctest: +ELLIPSIS
@@ -15,11 +25,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 from ft_checkpoint import __version__
 from ft_checkpoint.config import parse_duration
+from ft_checkpoint.errors import FTCheckpointError
+
+if TYPE_CHECKING:
+    from ft_checkpoint.storage import Storage
+
+
+class UsageError(Exception):
+    """Wrong or impossible arguments: printed as an error, exit code 2."""
 
 
 def duration(text: str) -> float:
@@ -114,6 +134,222 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- checkpoint directories ----------------------------------------------------------------------
+def human_bytes(n: float) -> str:
+    """``8400000`` -> ``'8.4 MB'`` (decimal units)."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+def plural(n: int, word: str) -> str:
+    """``plural(1, "failure")`` -> ``'1 failure'``; ``plural(2, "failure")`` -> ``'2 failures'``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def utc(t: float | None) -> str:
+    """An epoch time as ``2026-11-29 12:00:01Z`` (``-`` for None)."""
+    return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(t))
+
+
+def open_storage(url: str | None) -> Storage:
+    """The checkpoint directory ``url`` (or ``FT_CHECKPOINT_DIRPATH``), with the training's storage options."""
+    from ft_checkpoint.catalog import require_directory
+    from ft_checkpoint.config import CheckpointConfig
+    from ft_checkpoint.errors import ConfigError
+    from ft_checkpoint.storage import Storage
+
+    config = CheckpointConfig.from_env()
+    url = url or config.dirpath
+    if not url:
+        raise ConfigError("no checkpoint directory given: pass DIR (a local path or a URL such as "
+                          "gs://bucket/run) or set FT_CHECKPOINT_DIRPATH")
+    storage = Storage(url, config.storage_options, retries=config.retries)
+    require_directory(storage)
+    return storage
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr, drawn only when stdout and stderr are terminals (else silent).
+
+    Example:
+        >>> bar = ProgressBar(100, "verifying", enabled=False)
+        >>> bar.update(60); bar.done
+        60
+        >>> bar.close()
+    """
+
+    def __init__(self, total: int, label: str, *, enabled: bool | None = None) -> None:
+        self.total, self.label, self.done = max(1, total), label, 0
+        self.enabled = sys.stdout.isatty() and sys.stderr.isatty() if enabled is None else enabled
+        self._drawn_at = 0.0
+
+    def update(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self.enabled and (now - self._drawn_at >= 0.1 or self.done >= self.total):
+            self._drawn_at = now
+            frac = min(1.0, self.done / self.total)
+            bar = "#" * int(30 * frac)
+            sys.stderr.write(f"\r{self.label} [{bar:<30}] {100 * frac:5.1f}% "
+                             f"{human_bytes(self.done)} / {human_bytes(self.total)}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled and self._drawn_at:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
+def emit(args: argparse.Namespace, data: Any, lines: list[str]) -> None:
+    """Print ``data`` as JSON with ``--json``, else the human ``lines``."""
+    print(json.dumps(data) if args.json else "\n".join(lines))
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from ft_checkpoint.catalog import list_checkpoints
+
+    listing = list_checkpoints(open_storage(args.dir))
+    pick = f"resume would pick step {listing.resume_step}" if listing.resume_step is not None else \
+        "no committed step: a resume would start fresh"
+    lines = [f"{listing.url}: {len(listing.steps)} step directories; {pick}"]
+    if listing.steps:
+        lines.append(f"{'step':>12}  {'status':<10} {'saved (UTC)':<21}{'size':>9}{'files':>7}{'world':>7}")
+    for i in listing.steps:
+        note = "  <- resume" if i.step == listing.resume_step else f"  {i.reason}" if i.reason else ""
+        world = "-" if i.world_size is None else str(i.world_size)
+        lines.append(f"{i.step:>12}  {i.status:<10} {utc(i.time):<21}{human_bytes(i.bytes):>9}{i.files:>7}"
+                     f"{world:>7}{note}")
+    if listing.resume_step is not None:
+        lines.append(f"(sizes checked; 'ft-checkpoint verify {args.dir or listing.url}' checks checksums too)")
+    emit(args, listing.to_dict(), lines)
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from ft_checkpoint.catalog import check_step, list_checkpoints, select_steps
+
+    storage = open_storage(args.dir)
+    listing = list_checkpoints(storage)
+    steps = select_steps(listing, step=args.step, all_steps=args.all)
+    if args.step is not None and args.step not in {i.step for i in listing.steps}:
+        raise UsageError(f"{storage.url} has no step {args.step}; 'ft-checkpoint ls {args.dir or storage.url}' "
+                         "lists the steps")
+    if not steps:
+        emit(args, {"url": storage.url, "ok": False, "steps": []},
+             [f"{storage.url}: no committed step to verify (a resume would start fresh)"])
+        return 1
+    sizes = {i.step: i.bytes for i in listing.steps}
+    bar = ProgressBar(sum(sizes.get(s, 0) for s in steps), "verifying", enabled=None if not args.json else False)
+    try:
+        checks = [check_step(storage, s, on_bytes=bar.update) for s in steps]
+    finally:
+        bar.close()
+    ok = all(c.ok for c in checks)
+    lines = []
+    for c in checks:
+        lines.append(f"step {c.step}: " + (f"ok ({c.files} files, {human_bytes(c.bytes)}: sizes and checksums)"
+                                           if c.ok else "CORRUPT"))
+        lines += [f"  {p}" for p in c.problems]
+    bad = [c.step for c in checks if not c.ok]
+    lines.append(f"intact: {plural(len(checks), 'step')} checked" if ok else
+                 f"NOT INTACT: {len(bad)} of {plural(len(checks), 'checked step')} ({', '.join(map(str, bad))}); "
+                 "a resume skips a corrupt step and falls back to the previous one"
+                 + ("" if args.all else ". HINT: 'ft-checkpoint verify --all' checks the others"))
+    emit(args, {"url": storage.url, "ok": ok, "steps": [c.to_dict() for c in checks]}, lines)
+    return 0 if ok else 1
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from ft_checkpoint.catalog import inspect_step, list_checkpoints
+
+    storage = open_storage(args.dir)
+    step = args.step if args.step is not None else list_checkpoints(storage).resume_step
+    if step is None:
+        raise UsageError(f"{storage.url} has no committed step: pass --step N ('ft-checkpoint ls' lists them)")
+    info = inspect_step(storage, step)
+    if not args.json:
+        _print_inspect(info)
+        return 0
+    emit(args, info, [])
+    return 0
+
+
+def _print_inspect(info: dict[str, Any]) -> None:
+    m = info["manifest"]
+    print(f"step {info['step']} of {info['url']}: saved {utc(m['time'])}, world size {m['world_size']}, "
+          f"epoch {m['epoch']}, format {m['format_version']}")
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in sorted(m["versions"].items())))
+    if m["metadata"]:
+        print(f"metadata: {json.dumps(m['metadata'])}")
+    print(f"files ({len(m['files'])}, {human_bytes(sum(f['size'] for f in m['files'].values()))}):")
+    for name, f in sorted(m["files"].items()):
+        print(f"  {name:<24}{human_bytes(f['size']):>10}  {f['checksum'][:23]}...")
+    tensors = info["tensors"]
+    print(f"tensors ({len(tensors)}, {human_bytes(sum(t['bytes'] for t in tensors))}):")
+    width = max([len(t["name"]) for t in tensors] + [4]) + 2
+    print(f"  {'name':<{width}}{'dtype':<10}{'shape':<20}{'size':>9}")
+    for t in tensors:
+        print(f"  {t['name']:<{width}}{t['dtype']:<10}{str(t['shape']):<20}{human_bytes(t['bytes']):>9}")
+    for o in info["other"]:
+        print(f"  {o['name']:<{width}}({o['kind']})")
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from ft_checkpoint.catalog import apply_gc, plan_gc
+
+    storage = open_storage(args.dir)
+    plan = plan_gc(storage, keep_last=args.keep, keep_every_n_steps=args.keep_every)
+    if not args.dry_run:
+        apply_gc(storage, plan)
+    verb = "would delete" if args.dry_run else "deleted"
+    milestones = f" and every multiple of {args.keep_every}" if args.keep_every else ""
+    protected = f"; never deletes step {plan.protected}, the newest that verifies" if plan.protected is not None \
+        else "; no step verifies"
+    lines = [f"{plan.url}: keep the newest {args.keep} committed steps{milestones}{protected}",
+             f"{verb}: {', '.join(f'step {s}' for s in plan.delete) or 'nothing'}",
+             f"{'keeps' if args.dry_run else 'kept'}: {', '.join(f'step {s}' for s in plan.keep) or 'nothing'}"]
+    emit(args, {**plan.to_dict(), "dry_run": args.dry_run}, lines)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from ft_checkpoint.goodput import goodput_report, plot_timeline
+
+    report = goodput_report(open_storage(args.dir))
+    if args.plot:
+        try:
+            plot_timeline(report, args.plot)
+        except ImportError as e:
+            raise UsageError(str(e)) from e
+    emit(args, report.to_dict(), _report_lines(report) + ([f"wrote {args.plot}"] if args.plot else []))
+    return 0
+
+
+def _report_lines(report: Any) -> list[str]:
+    if not report.attempts:
+        return [f"{report.url}: no journal (nothing was recorded by ft-checkpoint in this directory)"]
+    lines = [f"goodput of {report.url}: {plural(len(report.attempts), 'attempt')}, "
+             f"{plural(report.failures, 'failure')}, {plural(report.preemptions, 'preemption')}",
+             f"{'#':>3}  {'started (UTC)':<21}{'ran':>9}  {'outcome':<10}{'steps':>13}{'stall':>9}"
+             f"{'loading':>9}{'recomputed':>22}{'gap after':>11}"]
+    for n, a in enumerate(report.attempts, 1):
+        steps = f"{a.resumed_from or 0}->{'?' if a.last_step is None else a.last_step}"
+        redo = "-" if a.recomputed_steps is None and not a.recomputed_s else \
+            f"{a.recomputed_steps if a.recomputed_steps is not None else '?'} steps, {human(a.recomputed_s)}"
+        gap = "-" if a.gap_after_s is None else human(a.gap_after_s)
+        lines.append(f"{n:>3}  {utc(a.start):<21}{human(a.duration_s):>9}  {a.outcome:<10}{steps:>13}"
+                     f"{human(a.stall_s):>9}{human(a.load_s):>9}{redo:>22}{gap:>11}")
+    t = report.totals()
+    lines += [f"wall time {human(t['wall_s'])}: useful training {human(t['useful_s'])}, checkpoint stall "
+              f"{human(t['stall_s'])}, loading {human(t['load_s'])}, recomputed {t['recomputed_steps']} steps "
+              f"({human(t['recomputed_s'])}), restart gaps {human(t['gap_s'])}",
+              "goodput " + ("n/a" if t["goodput"] is None else f"{100 * t['goodput']:.1f}%") + " (useful / wall)"]
+    return lines
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
     parser = argparse.ArgumentParser(
@@ -140,7 +376,51 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--world-size", type=int, default=1024, help="GPUs, for ours' prior failure rate")
     sim.add_argument("--json", action="store_true")
     sim.set_defaults(func=cmd_simulate)
+    _add_directory_commands(sub)
     return parser
+
+
+def step_number(text: str) -> int:
+    """argparse type: a step number (an integer >= 0)."""
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a step number: use an integer >= 0, as 'ls' shows")
+    return int(text)
+
+
+def positive(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: use an integer >= 1")
+    return int(text)
+
+
+def _add_directory_commands(sub: Any) -> None:
+    """``ls``, ``verify``, ``inspect``, ``gc`` and ``report``: each takes DIR and ``--json``."""
+
+    def add(name: str, func: Any, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help + ". " + _DIR_HELP)
+        p.add_argument("dir", metavar="DIR", nargs="?", help="local path or fsspec URL (default: FT_CHECKPOINT_DIRPATH)")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.set_defaults(func=func)
+        return p
+
+    add("ls", cmd_ls, "list the steps: status, time, size, files, world size, and the step a resume would pick")
+    verify = add("verify", cmd_verify, "check sizes and checksums; exit code 0 only if everything checked is intact")
+    which = verify.add_mutually_exclusive_group()
+    which.add_argument("--step", type=step_number, help="check this step (default: the newest committed one)")
+    which.add_argument("--all", action="store_true", help="check every step that has a manifest")
+    inspect = add("inspect", cmd_inspect, "show a step's manifest and its tensors' names, shapes, dtypes and sizes")
+    inspect.add_argument("--step", type=step_number, help="the step (default: the newest committed one)")
+    gc = add("gc", cmd_gc, "delete old steps by the retention rules; never the newest step that verifies")
+    gc.add_argument("--keep", type=positive, required=True, help="how many of the newest committed steps to keep")
+    gc.add_argument("--keep-every", type=positive, metavar="N", help="also keep every step that is a multiple of N")
+    gc.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
+    report = add("report", cmd_report, "goodput of the job from its journal: where the time went, per attempt")
+    report.add_argument("--plot", metavar="PNG", help="draw the attempts on a time axis (needs matplotlib)")
+
+
+_DIR_HELP = ("Storage options (credentials, endpoint_url) come from FT_CHECKPOINT_STORAGE_OPTIONS (JSON) "
+             "or the YAML file named by FT_CHECKPOINT_CONFIG.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,7 +430,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    result: Any = args.func(args)
+    try:
+        result: Any = args.func(args)
+    except (FTCheckpointError, UsageError) as e:
+        print(f"ft-checkpoint {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # e.g. piped into head: not an error
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silences the flush at exit
+        return 0
     return int(result or 0)
 
 

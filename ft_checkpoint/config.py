@@ -99,6 +99,9 @@ class CheckpointConfig:
     retries: int = 5
     """Attempts for a storage operation that fails with a transient error (>= 1)."""
 
+    force_takeover: bool = False
+    """Take the directory's lease even if another live job seems to hold it (see ``lease``)."""
+
     on_save_error: str = "raise"
     """A save that fails in the background: ``"raise"`` it at the next save/wait/close, or ``"warn"``
     loudly and keep training (the last committed step stays the resume point)."""
@@ -121,7 +124,7 @@ class CheckpointConfig:
             _check_int("keep_every_n_steps", self.keep_every_n_steps, minimum=1)
         if not isinstance(self.storage_options, dict):
             _bad("storage_options", self.storage_options, "a dict of fsspec filesystem options")
-        for name in ("async_save", "save_rng_state", "verify_checksums"):
+        for name in ("async_save", "save_rng_state", "verify_checksums", "force_takeover"):
             if not isinstance(getattr(self, name), bool):
                 _bad(name, getattr(self, name), "True or False")
         _check_int("retries", self.retries, minimum=1)
@@ -205,7 +208,7 @@ def _normalize_interval(value: Any) -> int | datetime.timedelta | str:
 
 
 def _parse_env_value(field: str, text: str) -> Any:
-    if field in ("async_save", "save_rng_state", "verify_checksums"):
+    if field in ("async_save", "save_rng_state", "verify_checksums", "force_takeover"):
         if text.strip().lower() in _TRUE | _FALSE:
             return text.strip().lower() in _TRUE
         _bad(field, text, "one of 1/0, true/false, yes/no, on/off")

@@ -42,3 +42,7 @@ class CheckpointCorruptError(FTCheckpointError, ValueError):
 
 class SaveError(FTCheckpointError, RuntimeError):
     """A background save failed; re-raised at the next ``save``, ``wait`` or ``close``."""
+
+
+class LeaseError(FTCheckpointError, RuntimeError):
+    """Another job holds the checkpoint directory's lease; the message names it and what to do."""

@@ -28,6 +28,7 @@ from ft_checkpoint.engine import CheckpointEngine, SaveStats
 from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, SaveError, StorageError
 from ft_checkpoint.failures import count_failures
 from ft_checkpoint.journal import Journal, attempt_summaries
+from ft_checkpoint.lease import Lease
 from ft_checkpoint.policy import (
     AdaptiveInterval,
     EveryInterval,
@@ -89,8 +90,10 @@ class CheckpointManager:
             c.interval, world_size=self.groups.world_size, mtbf=c.mtbf, gpu_failure_rate=c.gpu_failure_rate,
             min_interval=c.min_interval, max_interval=c.max_interval)
         self.adaptive = _find(self.policy, AdaptiveInterval)
-        self.engine = CheckpointEngine(self.storage, self.groups)
         self.journal = Journal(self.storage, enabled=self.groups.rank == 0)
+        self.lease = Lease(self.storage, attempt=self.journal.attempt)
+        self.groups.on_rank0(lambda: self.lease.acquire(force=c.force_takeover))
+        self.engine = CheckpointEngine(self.storage, self.groups)
         self.journal.record("attempt_start", world_size=self.groups.world_size)
         if self.adaptive is not None and self.rank == 0:
             self._learn_failures()
@@ -294,6 +297,8 @@ class CheckpointManager:
         finally:
             self.engine.close()
             self.journal.close()
+            if self.rank == 0:
+                self.lease.release()
         if clean:
             self.journal.record("clean_end", last_step=self.last_save.step if self.last_save else None)
 

@@ -18,12 +18,15 @@ Example:
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from ft_checkpoint import layout
-from ft_checkpoint.dist import Groups
 from ft_checkpoint.errors import CheckpointCorruptError, StorageError, StorageNotFoundError
 from ft_checkpoint.retention import list_steps
 from ft_checkpoint.storage import Storage
+
+if TYPE_CHECKING:  # torch.distributed: kept out so that the CLI can read and verify without torch
+    from ft_checkpoint.dist import Groups
 
 log = logging.getLogger(__name__)
 SKIPPED_SUFFIX = ".skipped"
