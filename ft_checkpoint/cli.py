@@ -59,11 +59,11 @@ def durations(text: str) -> list[float]:
 
 
 def human(seconds: float) -> str:
-    """``5400`` -> ``'1.5 h'``; the unit that reads best."""
+    """``5400`` -> ``'1.5 h'``, ``0.0123`` -> ``'12.3 ms'``; the unit that reads best."""
     for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
         if seconds >= size:
             return f"{seconds / size:.3g} {unit}"
-    return f"{seconds:.3g} s"
+    return f"{seconds * 1000:.3g} ms" if 0 < seconds < 1 else f"{seconds:.3g} s"
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -144,9 +144,9 @@ def human_bytes(n: float) -> str:
     return f"{n} B"
 
 
-def plural(n: int, word: str) -> str:
+def plural(n: int, word: str, many: str | None = None) -> str:
     """``plural(1, "failure")`` -> ``'1 failure'``; ``plural(2, "failure")`` -> ``'2 failures'``."""
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+    return f"{n} {word}" if n == 1 else f"{n} {many or word + 's'}"
 
 
 def utc(t: float | None) -> str:
@@ -203,6 +203,18 @@ class ProgressBar:
             sys.stderr.flush()
 
 
+def table(header: list[str], rows: list[list[str]], align: str) -> list[str]:
+    """Aligned columns, two spaces apart; ``align`` has one ``<`` or ``>`` per column.
+
+    Example:
+        >>> table(["step", "status"], [["10", "committed"]], "><")
+        ['step  status', '  10  committed']
+    """
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return ["  ".join(f"{cell:{a}{w}}" for cell, a, w in zip(row, align, widths, strict=True)).rstrip()
+            for row in [header, *rows]]
+
+
 def emit(args: argparse.Namespace, data: Any, lines: list[str]) -> None:
     """Print ``data`` as JSON with ``--json``, else the human ``lines``."""
     print(json.dumps(data) if args.json else "\n".join(lines))
@@ -214,14 +226,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
     listing = list_checkpoints(open_storage(args.dir))
     pick = f"resume would pick step {listing.resume_step}" if listing.resume_step is not None else \
         "no committed step: a resume would start fresh"
-    lines = [f"{listing.url}: {len(listing.steps)} step directories; {pick}"]
-    if listing.steps:
-        lines.append(f"{'step':>12}  {'status':<10} {'saved (UTC)':<21}{'size':>9}{'files':>7}{'world':>7}")
-    for i in listing.steps:
-        note = "  <- resume" if i.step == listing.resume_step else f"  {i.reason}" if i.reason else ""
-        world = "-" if i.world_size is None else str(i.world_size)
-        lines.append(f"{i.step:>12}  {i.status:<10} {utc(i.time):<21}{human_bytes(i.bytes):>9}{i.files:>7}"
-                     f"{world:>7}{note}")
+    lines = [f"{listing.url}: {plural(len(listing.steps), 'step directory', 'step directories')}; {pick}"]
+    rows = [[str(i.step), i.status, utc(i.time), human_bytes(i.bytes), str(i.files),
+             "-" if i.world_size is None else str(i.world_size),
+             "<- resume" if i.step == listing.resume_step else i.reason or ""] for i in listing.steps]
+    if rows:
+        lines += table(["step", "status", "saved (UTC)", "size", "files", "world", ""], rows, "><<>>><")
     if listing.resume_step is not None:
         lines.append(f"(sizes checked; 'ft-checkpoint verify {args.dir or listing.url}' checks checksums too)")
     emit(args, listing.to_dict(), lines)
@@ -242,7 +252,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
              [f"{storage.url}: no committed step to verify (a resume would start fresh)"])
         return 1
     sizes = {i.step: i.bytes for i in listing.steps}
-    bar = ProgressBar(sum(sizes.get(s, 0) for s in steps), "verifying", enabled=None if not args.json else False)
+    bar = ProgressBar(sum(sizes.get(s, 0) for s in steps), "verifying", enabled=False if args.json else None)
     try:
         checks = [check_step(storage, s, on_bytes=bar.update) for s in steps]
     finally:
@@ -270,31 +280,28 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if step is None:
         raise UsageError(f"{storage.url} has no committed step: pass --step N ('ft-checkpoint ls' lists them)")
     info = inspect_step(storage, step)
-    if not args.json:
-        _print_inspect(info)
-        return 0
-    emit(args, info, [])
+    emit(args, info, _inspect_lines(info))
     return 0
 
 
-def _print_inspect(info: dict[str, Any]) -> None:
-    m = info["manifest"]
-    print(f"step {info['step']} of {info['url']}: saved {utc(m['time'])}, world size {m['world_size']}, "
-          f"epoch {m['epoch']}, format {m['format_version']}")
-    print("versions: " + ", ".join(f"{k} {v}" for k, v in sorted(m["versions"].items())))
-    if m["metadata"]:
-        print(f"metadata: {json.dumps(m['metadata'])}")
-    print(f"files ({len(m['files'])}, {human_bytes(sum(f['size'] for f in m['files'].values()))}):")
-    for name, f in sorted(m["files"].items()):
-        print(f"  {name:<24}{human_bytes(f['size']):>10}  {f['checksum'][:23]}...")
-    tensors = info["tensors"]
-    print(f"tensors ({len(tensors)}, {human_bytes(sum(t['bytes'] for t in tensors))}):")
+def _inspect_lines(info: dict[str, Any]) -> list[str]:
+    m, tensors = info["manifest"], info["tensors"]
     width = max([len(t["name"]) for t in tensors] + [4]) + 2
-    print(f"  {'name':<{width}}{'dtype':<10}{'shape':<20}{'size':>9}")
-    for t in tensors:
-        print(f"  {t['name']:<{width}}{t['dtype']:<10}{str(t['shape']):<20}{human_bytes(t['bytes']):>9}")
-    for o in info["other"]:
-        print(f"  {o['name']:<{width}}({o['kind']})")
+    lines = [f"step {info['step']} of {info['url']}: saved {utc(m['time'])}, world size {m['world_size']}, "
+             f"epoch {m['epoch']}, format {m['format_version']}",
+             "versions: " + ", ".join(f"{k} {v}" for k, v in sorted(m["versions"].items()))]
+    if m["metadata"]:
+        lines.append(f"metadata: {json.dumps(m['metadata'])}")
+    lines.append(f"files ({len(m['files'])}, {human_bytes(sum(f['size'] for f in m['files'].values()))}):")
+    lines += [f"  {name:<24}{human_bytes(f['size']):>10}  {f['checksum'][:23]}..."
+              for name, f in sorted(m["files"].items())]
+    lines.append(f"tensors ({len(tensors)}, {human_bytes(sum(t['bytes'] for t in tensors))}; "
+                 "from .metadata, no data read):")
+    lines.append(f"  {'name':<{width}}{'dtype':<10}{'shape':<20}{'size':>9}")
+    lines += [f"  {t['name']:<{width}}{t['dtype']:<10}{str(t['shape']):<20}{human_bytes(t['bytes']):>9}"
+              for t in tensors]
+    lines += [f"  {o['name']:<{width}}({o['kind']})" for o in info["other"]]
+    return lines
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -332,16 +339,16 @@ def _report_lines(report: Any) -> list[str]:
     if not report.attempts:
         return [f"{report.url}: no journal (nothing was recorded by ft-checkpoint in this directory)"]
     lines = [f"goodput of {report.url}: {plural(len(report.attempts), 'attempt')}, "
-             f"{plural(report.failures, 'failure')}, {plural(report.preemptions, 'preemption')}",
-             f"{'#':>3}  {'started (UTC)':<21}{'ran':>9}  {'outcome':<10}{'steps':>13}{'stall':>9}"
-             f"{'loading':>9}{'recomputed':>22}{'gap after':>11}"]
+             f"{plural(report.failures, 'failure')}, {plural(report.preemptions, 'preemption')}"]
+    rows = []
     for n, a in enumerate(report.attempts, 1):
-        steps = f"{a.resumed_from or 0}->{'?' if a.last_step is None else a.last_step}"
         redo = "-" if a.recomputed_steps is None and not a.recomputed_s else \
-            f"{a.recomputed_steps if a.recomputed_steps is not None else '?'} steps, {human(a.recomputed_s)}"
-        gap = "-" if a.gap_after_s is None else human(a.gap_after_s)
-        lines.append(f"{n:>3}  {utc(a.start):<21}{human(a.duration_s):>9}  {a.outcome:<10}{steps:>13}"
-                     f"{human(a.stall_s):>9}{human(a.load_s):>9}{redo:>22}{gap:>11}")
+            f"{'?' if a.recomputed_steps is None else a.recomputed_steps} steps, {human(a.recomputed_s)}"
+        rows.append([str(n), utc(a.start), human(a.duration_s), a.outcome,
+                     f"{a.resumed_from or 0}->{'?' if a.last_step is None else a.last_step}", human(a.stall_s),
+                     human(a.load_s), redo, "-" if a.gap_after_s is None else human(a.gap_after_s)])
+    lines += table(["#", "started (UTC)", "ran", "outcome", "steps", "stall", "loading", "recomputed", "gap after"],
+                   rows, "><><>>>>>")
     t = report.totals()
     lines += [f"wall time {human(t['wall_s'])}: useful training {human(t['useful_s'])}, checkpoint stall "
               f"{human(t['stall_s'])}, loading {human(t['load_s'])}, recomputed {t['recomputed_steps']} steps "
@@ -399,7 +406,8 @@ def _add_directory_commands(sub: Any) -> None:
 
     def add(name: str, func: Any, help: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help + ". " + _DIR_HELP)
-        p.add_argument("dir", metavar="DIR", nargs="?", help="local path or fsspec URL (default: FT_CHECKPOINT_DIRPATH)")
+        p.add_argument("dir", metavar="DIR", nargs="?",
+                       help="local path or fsspec URL (default: FT_CHECKPOINT_DIRPATH)")
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.set_defaults(func=func)
         return p

@@ -15,7 +15,7 @@ measured stall). A background error is kept and re-raised at the next ``save``, 
 
 Example:
     >>> import torch
-    >>> from ft_checkpoint.storage import Storage
+    >>> from ft_checkpoint.storage import Storage, is_transient
     >>> from ft_checkpoint.dist import Groups
     >>> eng = CheckpointEngine(Storage("memory://doc/engine"), Groups())
     >>> stats = eng.save(10, {"w": torch.arange(3.0)})
@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as _DCPFsspecAdapter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -50,10 +51,10 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ft_checkpoint import layout
 from ft_checkpoint.dist import Groups
-from ft_checkpoint.errors import CheckpointCorruptError, SaveError
+from ft_checkpoint.errors import CheckpointCorruptError, SaveError, StorageError
 from ft_checkpoint.retention import delete_step
 from ft_checkpoint.state import merge_tree, split_tree
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.storage import Storage, is_transient
 
 log = logging.getLogger(__name__)
 # DCP warns on every single-process save and load; single process is a normal case here.
@@ -74,6 +75,32 @@ class SaveStats:
     """Seconds from the start of the save until its manifest was written."""
     bytes: int | None = None
     committed: bool = False
+
+
+class _TransientSaveError(SaveError):
+    """A save failed on some rank with a transient storage error: worth retrying whole."""
+
+
+def _dcp_failures(e: BaseException) -> list[BaseException]:
+    """The per-rank exceptions inside DCP's CheckpointException (values are ``(exception, trace)``)."""
+    if not isinstance(e, CheckpointException):
+        return []
+    return [v[0] if isinstance(v, tuple) else v for v in e.failures.values()]
+
+
+def _transient(e: BaseException) -> bool:
+    if isinstance(e, _TransientSaveError):
+        return True
+    if isinstance(e, CheckpointException):
+        return any(isinstance(x, BaseException) and is_transient(x) for x in _dcp_failures(e))
+    return is_transient(e)
+
+
+def _describe_dcp(e: BaseException) -> str:
+    """One line per failed rank instead of DCP's multi-line tracebacks."""
+    if not isinstance(e, CheckpointException):
+        return f"{type(e).__name__}: {e}"
+    return "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, x in zip(e.failures, _dcp_failures(e)))
 
 
 class _SafeUnpickler(pickle.Unpickler):
@@ -171,6 +198,7 @@ class CheckpointEngine:
     def __init__(self, storage: Storage, groups: Groups) -> None:
         self.storage = storage
         self.groups = groups
+        self.retries = storage.retries
         cuda = torch.cuda.is_available()
         self._stager = DefaultStager(StagingOptions(
             use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda))
@@ -235,10 +263,9 @@ class CheckpointEngine:
             return None
         try:
             return future.result()
-        except SaveError:
-            raise
         except Exception as e:
-            raise SaveError(f"background save to {self.storage.url} failed: {type(e).__name__}: {e}") from e
+            what = str(e) if isinstance(e, SaveError) else f"{type(e).__name__}: {e}"
+            raise SaveError(f"background save to {self.storage.url} failed: {what}") from e
 
     def _phase(self, phase: str, step: int) -> None:
         if self.phase_hook is not None:
@@ -260,35 +287,56 @@ class CheckpointEngine:
         return job
 
     def _write(self, step: int, staged: dict[str, Any], fields: dict[str, Any]) -> int | None:
-        """Write and commit one step (on the writer thread). Returns the committed bytes."""
+        """Write and commit one step (writer thread), retrying the whole save on transient errors.
+
+        Every rank takes the same decision: errors are exchanged at each phase (see :meth:`_agree`),
+        and DCP reports a failure of any rank to all of them.
+        """
+        for attempt in range(1, self.retries + 1):
+            try:
+                return self._write_once(step, staged, fields)
+            except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
+                if attempt == self.retries or not _transient(e):
+                    if isinstance(e, CheckpointException):
+                        raise SaveError(f"step {step} not committed: {_describe_dcp(e)}") from e
+                    raise
+                log.warning("save of step %d failed with a transient error (%s); retrying it whole (%d of %d)",
+                            step, _describe_dcp(e), attempt + 1, self.retries)
+        raise AssertionError("unreachable")
+
+    def _write_once(self, step: int, staged: dict[str, Any], fields: dict[str, Any]) -> int | None:
         g, rel = self.groups, layout.step_dir(step)
-        if g.rank == 0:
-            delete_step(self.storage, step)
-        g.barrier(writer=True)
+        self._agree(step, lambda: delete_step(self.storage, step) if g.rank == 0 else None)
         self._phase("writing", step)
         tensors, skeleton = split_tree(staged["tree"])
-        own = self._write_rank_file(rel, skeleton, staged["per_rank"])
+        own = self._agree(step, lambda: self._write_rank_file(rel, skeleton, staged["per_rank"]))
         dcp.save(tensors, storage_writer=_writer(self.storage, self.storage.url_of(rel)),
                  process_group=g.writer, no_dist=not g.distributed)
         self._phase("data_written", step)
-        outcome: tuple[bool, Any]
-        try:
-            outcome = (True, self._describe_own_files(rel, own))
-        except Exception as e:  # every rank must reach the gather, so errors travel through it
-            outcome = (False, f"rank {g.rank}: {type(e).__name__}: {e}")
-        outcomes = g.all_gather(outcome, writer=True)
-        failures = [msg for ok, msg in outcomes if not ok]
-        if failures:
-            raise SaveError(f"step {step} not committed: " + "; ".join(failures))
+        entries = self._agree(step, lambda: self._describe_own_files(rel, own), gather=True)
         if g.rank != 0:
             return None
-        files = {name: entry for _, entries in outcomes for name, entry in entries.items()}
+        files = {name: entry for per_rank in entries for name, entry in per_rank.items()}
         manifest = layout.Manifest(step=step, world_size=g.world_size, files=files,
                                    versions=_versions(), **fields)
         self._phase("committing", step)
         self.storage.write_bytes(f"{rel}/{layout.MANIFEST}", manifest.to_json())
         self._phase("committed", step)
         return manifest.total_bytes
+
+    def _agree(self, step: int, fn: Callable[[], Any], *, gather: bool = False) -> Any:
+        """Run ``fn`` on every rank; if it failed anywhere, raise on every rank (no rank is left waiting
+        in a collective). Returns ``fn``'s result, or every rank's results with ``gather``."""
+        try:
+            outcome = (True, fn(), False)
+        except Exception as e:
+            outcome = (False, f"rank {self.groups.rank}: {type(e).__name__}: {e}", _transient(e))
+        outcomes = self.groups.all_gather(outcome, writer=True)
+        failures = [msg for ok, msg, _ in outcomes if not ok]
+        if failures:
+            error = _TransientSaveError if any(t for _, _, t in outcomes) else SaveError
+            raise error(f"step {step} not committed: " + "; ".join(failures))
+        return [value for _, value, _ in outcomes] if gather else outcome[1]
 
     def _write_rank_file(self, rel: str, skeleton: Any, per_rank: dict[str, Any]) -> str:
         buf = io.BytesIO()
@@ -341,8 +389,17 @@ class CheckpointEngine:
                 targets[key] = have
             else:
                 targets[key] = torch.empty(md.size, dtype=md.properties.dtype)
-        dcp.load(targets, storage_reader=self._reader(step), process_group=self.groups.writer,
-                 no_dist=not self.groups.distributed)
+        for attempt in range(1, self.retries + 1):
+            try:
+                dcp.load(targets, storage_reader=self._reader(step), process_group=self.groups.writer,
+                         no_dist=not self.groups.distributed)
+                break
+            except CheckpointException as e:  # a BaseException: make it one callers can catch
+                if attempt < self.retries and _transient(e):  # every rank sees the same failures
+                    log.warning("loading step %d failed with a transient error (%s); retrying", step, _describe_dcp(e))
+                    continue
+                error = StorageError if _transient(e) else CheckpointCorruptError
+                raise error(f"loading step {step} from {self.storage.url} failed: {_describe_dcp(e)}") from e
         return merge_tree(payload["skeleton"], targets), payload["per_rank"]
 
     def _reader(self, step: int) -> _SafeReader:

@@ -149,7 +149,7 @@ def goodput_report(storage: Storage) -> GoodputReport:
     for event in read_journal(storage):
         by_attempt.setdefault(event.get("attempt", ""), []).append(event)
     attempts = [_attempt(s, by_attempt.get(s["attempt"], [])) for s in attempt_summaries(storage)]
-    for before, after in zip(attempts, attempts[1:]):
+    for before, after in zip(attempts, attempts[1:], strict=False):
         _charge_restart(before, after)
     return GoodputReport(url=storage.url, attempts=attempts)
 

@@ -65,7 +65,7 @@ class Journal:
         self._seq = itertools.count()
         self._lock = threading.Lock()
         self._progress_at = -math.inf
-        self._progress_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-checkpoint-journal")
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-checkpoint-journal")
         self._progress_pending: Future[None] | None = None
         self._latest_step: int | None = None
         self._written_step: int | None = None
@@ -84,7 +84,7 @@ class Journal:
         if pending is not None and not pending.done():
             return
         self._progress_at = now
-        self._progress_pending = self._progress_writer.submit(self._write_progress, step)
+        self._progress_pending = self._writer.submit(self._write_progress, step)
 
     def _write_progress(self, step: int) -> None:
         body = json.dumps({"step": step, "time": time.time(), "attempt": self.attempt}).encode()
@@ -95,13 +95,17 @@ class Journal:
             log.warning("could not write journal progress: %s", e)
 
     def close(self) -> None:
-        """Finish pending progress writes and note the last step reached."""
-        self._progress_writer.shutdown(wait=True)
+        """Finish pending writes and note the last step reached."""
+        self._writer.shutdown(wait=True)
         if self.enabled and self._latest_step is not None and self._latest_step != self._written_step:
             self._write_progress(self._latest_step)
 
-    def record(self, event: str, **fields: Any) -> None:
-        """Write one event with the wall-clock time; storage errors are logged, not raised."""
+    def record(self, event: str, *, background: bool = False, **fields: Any) -> None:
+        """Write one event with the wall-clock time; storage errors are logged, not raised.
+
+        ``background`` writes it from the journal's own thread, so a failing storage cannot stall the
+        caller (used for failure events); :meth:`close` waits for it.
+        """
         if not self.enabled:
             return
         with self._lock:
@@ -109,6 +113,12 @@ class Journal:
         body = {"event": event, "time": time.time(), "attempt": self.attempt, "seq": seq, **fields}
         if event == "attempt_start":
             body.update(host=socket.gethostname(), pid=os.getpid(), env=launcher_env())
+        if background:
+            self._writer.submit(self._write_event, seq, event, body)
+        else:
+            self._write_event(seq, event, body)
+
+    def _write_event(self, seq: int, event: str, body: dict[str, Any]) -> None:
         try:
             self.storage.write_bytes(f"{JOURNAL_DIR}/{self.attempt}/{seq:06d}-{event}.json",
                                      json.dumps(body, sort_keys=True).encode())

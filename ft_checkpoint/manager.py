@@ -179,7 +179,7 @@ class CheckpointManager:
     def _save_failed(self, error: SaveError) -> None:
         """A save failed: journal it, then raise (``on_save_error="raise"``) or warn loudly and go on."""
         self.failed_saves += 1
-        self.journal.record("save_failed", error=str(error))
+        self.journal.record("save_failed", error=str(error), background=True)
         if self.config.on_save_error == "raise":
             raise error
         log.warning("CHECKPOINT SAVE FAILED (%d so far), training continues; resume would use step %s. %s",

@@ -43,6 +43,8 @@ from ft_checkpoint.errors import (
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# faulty:///path: local disk with injected faults, for tests and the chaos benchmark (imported on use).
+fsspec.register_implementation("faulty", "ft_checkpoint.faults.FaultyFileSystem", clobber=True)
 
 # Exception class names (anywhere in the MRO) that mean "try again": aiohttp (gcsfs), botocore
 # (s3fs) and requests-style errors, matched by name so this module imports none of them.

@@ -76,11 +76,13 @@ def test_server_stopped_during_background_save(tmp_path):
         ckpt.engine.phase_hook = lambda phase, step: phase == "writing" and server.stop()
         ckpt.save(2, state)
         with pytest.raises(SaveError, match="gs://bucket/run.*(down or unreachable|Cannot connect)"):
-            ckpt.close()
+            ckpt.save(3, state)
+        ckpt.engine.phase_hook = None
     finally:
         server.stop()
     server = servers.start("gcs", port=server.port, data_dir=str(tmp_path))
     try:
+        ckpt.close()
         resumed = make(seed=7)
         with CheckpointManager(url, storage_options=options) as again:
             assert again.resume(resumed) == 1

@@ -1,0 +1,83 @@
+"""A local filesystem that misbehaves on purpose: transient errors, latency spikes, a permanent outage.
+
+For tests and the chaos benchmark: point a checkpoint directory at ``faulty:///some/local/path`` and
+pass the faults as storage options. Every open, read, write, listing and delete may fail with a
+``ConnectionResetError`` (a transient error, retried by the storage layer and by whole-save retries)
+at ``transient_rate``, sleep ``latency`` seconds at ``latency_rate``, or, with ``outage=True``, always
+fail with ``ConnectionRefusedError``.
+
+Example:
+    >>> from ft_checkpoint.storage import Storage
+    >>> s = Storage("faulty:///tmp/ft-doc-faults", {"transient_rate": 0.3, "seed": 1}, retries=10, backoff=0.001)
+    >>> s.write_bytes("x", b"still written")
+    >>> s.read_bytes("x")
+    b'still written'
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+
+class FaultyFileSystem(LocalFileSystem):
+    """Local disk with injected faults (see the module docstring)."""
+
+    protocol = "faulty"
+    root_marker = "/"
+
+    def __init__(self, transient_rate: float = 0.0, latency: float = 0.0, latency_rate: float = 0.0,
+                 outage: bool = False, seed: int | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.transient_rate, self.latency, self.latency_rate, self.outage = transient_rate, latency, latency_rate, outage
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self.injected = 0
+
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> str:
+        path = str(path)
+        if path.startswith("faulty://"):
+            path = path[len("faulty://"):]
+        return LocalFileSystem._strip_protocol(path)
+
+    def _fault(self, what: str) -> None:
+        if self.outage:
+            raise ConnectionRefusedError(f"injected outage: {what}")
+        with self._lock:
+            fail = self._rng.random() < self.transient_rate
+            slow = self._rng.random() < self.latency_rate
+            self.injected += fail
+        if slow:
+            time.sleep(self.latency)
+        if fail:
+            raise ConnectionResetError(f"injected transient error: {what}")
+
+    def _open(self, path: Any, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
+        self._fault(f"open {path}")
+        return super()._open(path, mode, *args, **kwargs)
+
+    def cat_file(self, path: Any, *args: Any, **kwargs: Any) -> bytes:
+        self._fault(f"read {path}")
+        return super().cat_file(path, *args, **kwargs)
+
+    def pipe_file(self, path: Any, value: bytes, *args: Any, **kwargs: Any) -> None:
+        self._fault(f"write {path}")
+        self.makedirs(self._parent(path), exist_ok=True)
+        return super().pipe_file(path, value, *args, **kwargs)
+
+    def ls(self, path: Any, detail: bool = False, **kwargs: Any) -> Any:
+        self._fault(f"list {path}")
+        return super().ls(path, detail=detail, **kwargs)
+
+    def rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> None:
+        self._fault(f"delete {path}")
+        return super().rm(path, recursive=recursive, maxdepth=maxdepth)
+
+
+fsspec.register_implementation("faulty", FaultyFileSystem, clobber=True)
