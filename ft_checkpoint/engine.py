@@ -230,10 +230,10 @@ class CheckpointEngine:
                 raise
             on_previous_error(e)
         waited = time.perf_counter() - t0
-        self._phase("staging", step)
+        self.phase("staging", step)
         staged = self._stager.stage({"tree": tree, "per_rank": per_rank or {}})
         stats = SaveStats(step=step, stall=time.perf_counter() - t0, waited=waited)
-        self._phase("staged", step)
+        self.phase("staged", step)
         job = self._write_job(stats, staged, manifest_fields or {}, on_start, on_commit)
         self._future = self._executor.submit(job)
         if waited > 0.05:
@@ -267,7 +267,9 @@ class CheckpointEngine:
             what = str(e) if isinstance(e, SaveError) else f"{type(e).__name__}: {e}"
             raise SaveError(f"background save to {self.storage.url} failed: {what}") from e
 
-    def _phase(self, phase: str, step: int) -> None:
+    def phase(self, phase: str, step: int) -> None:
+        """Report a phase to :attr:`phase_hook` (staging, staged, writing, data_written, committing,
+        committed; the manager adds retention and resuming)."""
         if self.phase_hook is not None:
             self.phase_hook(phase, step)
 
@@ -307,21 +309,21 @@ class CheckpointEngine:
     def _write_once(self, step: int, staged: dict[str, Any], fields: dict[str, Any]) -> int | None:
         g, rel = self.groups, layout.step_dir(step)
         self._agree(step, lambda: delete_step(self.storage, step) if g.rank == 0 else None)
-        self._phase("writing", step)
+        self.phase("writing", step)
         tensors, skeleton = split_tree(staged["tree"])
         own = self._agree(step, lambda: self._write_rank_file(rel, skeleton, staged["per_rank"]))
         dcp.save(tensors, storage_writer=_writer(self.storage, self.storage.url_of(rel)),
                  process_group=g.writer, no_dist=not g.distributed)
-        self._phase("data_written", step)
+        self.phase("data_written", step)
         entries = self._agree(step, lambda: self._describe_own_files(rel, own), gather=True)
         if g.rank != 0:
             return None
         files = {name: entry for per_rank in entries for name, entry in per_rank.items()}
         manifest = layout.Manifest(step=step, world_size=g.world_size, files=files,
                                    versions=_versions(), **fields)
-        self._phase("committing", step)
+        self.phase("committing", step)
         self.storage.write_bytes(f"{rel}/{layout.MANIFEST}", manifest.to_json())
-        self._phase("committed", step)
+        self.phase("committed", step)
         return manifest.total_bytes
 
     def _agree(self, step: int, fn: Callable[[], Any], *, gather: bool = False) -> Any:

@@ -198,6 +198,7 @@ class CheckpointManager:
                             duration=stats.duration, bytes=stats.bytes)
         log.info("committed step %d to %s: %s, stall %.3f s, durable after %.2f s", stats.step,
                  self.storage.url, _human_bytes(stats.bytes or 0), stats.stall, stats.duration or 0.0)
+        self.engine.phase("retention", stats.step)
         try:  # the step is committed: a failed clean-up must not make the save look failed
             apply_retention(self.storage, keep_last=self.config.keep_last,
                             keep_every_n_steps=self.config.keep_every_n_steps)
@@ -236,6 +237,7 @@ class CheckpointManager:
         """
         self._check_open()
         t0 = time.perf_counter()
+        self.engine.phase("resuming", -1)
         manifest, opened = self._find_loadable()
         if manifest is None:
             if self.rank == 0:
