@@ -53,6 +53,8 @@ class StepInfo:
     epoch: int | None = None
     reason: str | None = None
     """Why the step is partial or corrupt."""
+    manifest: bool = False
+    """Whether ``manifest.json`` is there (a resume tries such a step; a quarantined one it does not)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -92,10 +94,10 @@ def describe_step(storage: Storage, step: int) -> StepInfo:
         try:
             manifest = verify_step(storage, step, checksums=False)
         except CheckpointCorruptError as e:
-            info.status, info.reason = CORRUPT, str(e)
+            info.status, info.reason, info.manifest = CORRUPT, str(e), True
             return info
         return StepInfo(step=step, status=COMMITTED, bytes=manifest.total_bytes, files=len(manifest.files),
-                        time=manifest.time, world_size=manifest.world_size, epoch=manifest.epoch)
+                        time=manifest.time, world_size=manifest.world_size, epoch=manifest.epoch, manifest=True)
     if layout.MANIFEST + SKIPPED_SUFFIX in sizes:
         info.status, info.reason = CORRUPT, _QUARANTINED
     else:
@@ -139,19 +141,20 @@ class StepCheck:
 
 
 def select_steps(listing: Listing, *, step: int | None = None, all_steps: bool = False) -> list[int]:
-    """What ``verify`` checks: ``step``; with ``all_steps`` every step but partial ones; else the newest
-    step that has a manifest (what a resume tries first).
+    """What ``verify`` checks: ``step``; with ``all_steps`` every step but partial ones (quarantined ones
+    too); else the newest step that has a manifest (what a resume tries first).
 
     Example:
-        >>> listing = Listing("memory://x", [StepInfo(step=10, status=COMMITTED, bytes=1, files=1),
+        >>> listing = Listing("memory://x", [StepInfo(step=10, status=COMMITTED, bytes=1, files=1, manifest=True),
         ...                                  StepInfo(step=20, status=PARTIAL, bytes=1, files=1)], 10)
         >>> select_steps(listing), select_steps(listing, step=20), select_steps(listing, all_steps=True)
         ([10], [20], [10])
     """
     if step is not None:
         return [step]
-    claimed = [i.step for i in listing.steps if i.status != PARTIAL]
-    return claimed if all_steps else claimed[-1:]
+    if all_steps:
+        return [i.step for i in listing.steps if i.status != PARTIAL]
+    return [i.step for i in listing.steps if i.manifest][-1:]
 
 
 def check_step(storage: Storage, step: int, *, on_bytes: OnBytes | None = None) -> StepCheck:
@@ -216,7 +219,11 @@ def inspect_step(storage: Storage, step: int) -> dict[str, Any]:
         >>> info["tensors"]
         [{'name': 'w', 'shape': [2, 4], 'dtype': 'float32', 'bytes': 32, 'chunks': 1}]
     """
-    manifest = read_manifest(storage, step)
+    try:
+        manifest = read_manifest(storage, step)
+    except CheckpointCorruptError as e:
+        raise CheckpointCorruptError(f"{storage.url_of(layout.step_dir(step))}: {e}. HINT: 'ft-checkpoint ls' "
+                                     "shows which steps are committed") from e
     rel = f"{layout.step_dir(step)}/.metadata"
     entry = manifest.files.get(".metadata")
     if entry is None:

@@ -315,7 +315,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     milestones = f" and every multiple of {args.keep_every}" if args.keep_every else ""
     protected = f"; never deletes step {plan.protected}, the newest that verifies" if plan.protected is not None \
         else "; no step verifies"
-    lines = [f"{plan.url}: keep the newest {args.keep} committed steps{milestones}{protected}",
+    lines = [f"{plan.url}: keep the newest {plural(args.keep, 'committed step')}{milestones}{protected}",
              f"{verb}: {', '.join(f'step {s}' for s in plan.delete) or 'nothing'}",
              f"{'keeps' if args.dry_run else 'kept'}: {', '.join(f'step {s}' for s in plan.keep) or 'nothing'}"]
     emit(args, {**plan.to_dict(), "dry_run": args.dry_run}, lines)
@@ -415,7 +415,8 @@ def _add_directory_commands(sub: Any) -> None:
     add("ls", cmd_ls, "list the steps: status, time, size, files, world size, and the step a resume would pick")
     verify = add("verify", cmd_verify, "check sizes and checksums; exit code 0 only if everything checked is intact")
     which = verify.add_mutually_exclusive_group()
-    which.add_argument("--step", type=step_number, help="check this step (default: the newest committed one)")
+    which.add_argument("--step", type=step_number,
+                       help="check this step (default: the newest with a manifest, which a resume tries first)")
     which.add_argument("--all", action="store_true", help="check every step that has a manifest")
     inspect = add("inspect", cmd_inspect, "show a step's manifest and its tensors' names, shapes, dtypes and sizes")
     inspect.add_argument("--step", type=step_number, help="the step (default: the newest committed one)")

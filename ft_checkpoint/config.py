@@ -99,6 +99,10 @@ class CheckpointConfig:
     retries: int = 5
     """Attempts for a storage operation that fails with a transient error (>= 1)."""
 
+    progress_interval: float | str | datetime.timedelta = 10.0
+    """How often (at most) the journal notes the step reached, from a background thread; the goodput
+    report's recomputed work after a crash is exact to within this much training time (0: every step)."""
+
     force_takeover: bool = False
     """Take the directory's lease even if another live job seems to hold it (see ``lease``)."""
 
@@ -112,6 +116,12 @@ class CheckpointConfig:
         object.__setattr__(self, "interval", _normalize_interval(self.interval))
         for name in ("min_interval", "max_interval", "mtbf"):
             _check_duration(name, getattr(self, name))
+        try:
+            ok = parse_duration(self.progress_interval) >= 0 and not isinstance(self.progress_interval, bool)
+        except ValueError:
+            ok = False
+        if not ok:
+            _bad("progress_interval", self.progress_interval, "a duration >= 0: seconds, a timedelta, or '10s'")
         if self.gpu_failure_rate is not None and (
                 not isinstance(self.gpu_failure_rate, (int, float)) or isinstance(self.gpu_failure_rate, bool)
                 or self.gpu_failure_rate <= 0):

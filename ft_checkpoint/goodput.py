@@ -15,8 +15,8 @@ into
 
 ``goodput = useful / wall``. The journal cannot know when a killed process died: the time between its
 last sign of life and the kill counts as restart gap, and ``last_step`` is the last progress note,
-written at most every ``Journal.progress_every`` seconds (10 s) and at every save, so it can trail the
-step really reached by up to that much.
+written at every save and at most every ``progress_interval`` (a config field, 10 s by default) in
+between, so it can trail the step really reached by up to that much training time.
 
 Example:
     >>> from ft_checkpoint.journal import Journal

@@ -30,7 +30,7 @@ import socket
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ft_checkpoint.errors import StorageError
@@ -66,7 +66,7 @@ class Journal:
         self._lock = threading.Lock()
         self._progress_at = -math.inf
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-checkpoint-journal")
-        self._progress_pending: Future[None] | None = None
+        self._progress_busy = self._progress_again = False
         self._latest_step: int | None = None
         self._written_step: int | None = None
 
@@ -74,19 +74,31 @@ class Journal:
         """Note the step reached, at most every ``progress_every`` seconds, without blocking the caller.
 
         One object per attempt (``progress.json``), overwritten: how far an attempt got before it
-        died, and so how much work its restart recomputed.
+        died, and so how much work its restart recomputed. A note asked for while the previous one is
+        still being written is not dropped: the newest step is written right after it.
         """
-        now = time.monotonic()
         self._latest_step = step
-        pending = self._progress_pending
+        now = time.monotonic()
         if not self.enabled or (not force and now - self._progress_at < self.progress_every):
             return
-        if pending is not None and not pending.done():
-            return
         self._progress_at = now
-        self._progress_pending = self._writer.submit(self._write_progress, step)
+        with self._lock:
+            if self._progress_busy:
+                self._progress_again = True
+                return
+            self._progress_busy = True
+        self._writer.submit(self._progress_loop)
 
-    def _write_progress(self, step: int) -> None:
+    def _progress_loop(self) -> None:
+        while True:
+            self._write_progress(self._latest_step)
+            with self._lock:
+                if not self._progress_again:
+                    self._progress_busy = False
+                    return
+                self._progress_again = False
+
+    def _write_progress(self, step: int | None) -> None:
         body = json.dumps({"step": step, "time": time.time(), "attempt": self.attempt}).encode()
         try:
             self.storage.write_bytes(f"{JOURNAL_DIR}/{self.attempt}/{PROGRESS}", body)

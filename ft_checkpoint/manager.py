@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from ft_checkpoint import layout
-from ft_checkpoint.config import CheckpointConfig
+from ft_checkpoint.config import CheckpointConfig, parse_duration
 from ft_checkpoint.dist import Groups
 from ft_checkpoint.engine import CheckpointEngine, SaveStats
 from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, SaveError, StorageError
@@ -90,7 +90,8 @@ class CheckpointManager:
             c.interval, world_size=self.groups.world_size, mtbf=c.mtbf, gpu_failure_rate=c.gpu_failure_rate,
             min_interval=c.min_interval, max_interval=c.max_interval)
         self.adaptive = _find(self.policy, AdaptiveInterval)
-        self.journal = Journal(self.storage, enabled=self.groups.rank == 0)
+        self.journal = Journal(self.storage, enabled=self.groups.rank == 0,
+                               progress_every=parse_duration(c.progress_interval))
         self.lease = Lease(self.storage, attempt=self.journal.attempt)
         self.groups.on_rank0(lambda: self.lease.acquire(force=c.force_takeover))
         self.engine = CheckpointEngine(self.storage, self.groups)

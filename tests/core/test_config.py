@@ -19,6 +19,7 @@ INVALID = [
     ("retries", 0),
     ("min_interval", "-5m"), ("max_interval", 0), ("mtbf", "often"), ("gpu_failure_rate", 0),
     ("gpu_failure_rate", "high"), ("on_save_error", "ignore"),
+    ("progress_interval", "-1s"), ("progress_interval", "soon"),
 ]
 
 

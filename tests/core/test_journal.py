@@ -32,8 +32,7 @@ def test_progress_notes_how_far_each_attempt_got(tmp_path):
     from ft_checkpoint.journal import attempt_summaries
 
     url = str(tmp_path / "c")
-    with CheckpointManager(url, interval=5) as ckpt:
-        ckpt.journal.progress_every = 0.0
+    with CheckpointManager(url, interval=5, progress_interval=0) as ckpt:
         state = make()
         for step in range(1, 13):
             ckpt.maybe_save(step, state)

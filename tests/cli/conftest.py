@@ -1,0 +1,85 @@
+"""Fixtures for the CLI tests: real training jobs (one killed mid-save and resumed) and the real CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_script.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TIMEOUT = 180  # one training process, on a shared 2-core machine
+HANG_AT, INTERVAL, STEPS = 30, 10, 40
+
+
+def cli(*args: Any, env: dict[str, str | None] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the real ``ft-checkpoint`` console entry point as a subprocess (``env`` values of None unset)."""
+    cmd = [sys.executable, "-m", "ft_checkpoint.cli", *map(str, args)]
+    full = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=full)
+
+
+def cli_json(*args: Any, env: dict[str, str] | None = None, rc: int = 0) -> Any:
+    """``cli(..., "--json")``, checking the exit code; returns the parsed output."""
+    proc = cli(*args, "--json", env=env)
+    assert proc.returncode == rc, proc.stdout + proc.stderr
+    return json.loads(proc.stdout)
+
+
+@dataclasses.dataclass
+class Run:
+    """A checkpoint directory written by a job that was killed mid-save at ``killed_at`` and resumed."""
+
+    url: str
+    env: dict[str, str]
+    killed_at: int
+    resumed_from: int
+    ls_between: dict[str, Any]
+    """``ls --json`` between the killed attempt and the resumed one."""
+    ls_between_text: str
+
+
+def _train(url: str, env: dict[str, str], *args: Any, hang: bool = False) -> list[str]:
+    """Run one attempt of the training; with ``hang``, SIGKILL it once it hangs in the save of HANG_AT."""
+    cmd = [sys.executable, SCRIPT, url, "--steps", str(STEPS), "--interval", str(INTERVAL), *map(str, args)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env={**os.environ, **env})
+    watchdog = threading.Timer(TIMEOUT, proc.kill)
+    watchdog.start()
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            if hang and line.startswith("HANG"):
+                time.sleep(0.5)  # let its journal's progress note land, as it would during any real hang
+                proc.send_signal(signal.SIGKILL)
+                break
+        proc.wait()
+    finally:
+        watchdog.cancel()
+    expected = -signal.SIGKILL if hang else 0
+    assert proc.returncode == expected, "\n".join(lines)
+    return lines
+
+
+def killed_and_resumed(url: str, env: dict[str, str]) -> Run:
+    """Train, hang in the save of step HANG_AT and be SIGKILLed there; list the directory; resume to the end."""
+    _train(url, env, "--hang-at", HANG_AT, hang=True)
+    ls_between = cli_json("ls", url, env=env)
+    ls_text = cli("ls", url, env=env).stdout
+    lines = _train(url, env)
+    resumed_from = int(next(line for line in lines if line.startswith("START")).split()[1])
+    return Run(url, env, HANG_AT, resumed_from, ls_between, ls_text)
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory) -> Run:
+    return killed_and_resumed(str(tmp_path_factory.mktemp("cli") / "run"), {})

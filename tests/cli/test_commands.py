@@ -1,0 +1,246 @@
+"""Acceptance: the real ``ft-checkpoint`` CLI on a directory written by a real training job that was
+SIGKILLed in the middle of a save and resumed (see ``conftest.killed_and_resumed``)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import pty
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from ft_checkpoint import layout
+from tests.cli.conftest import HANG_AT, INTERVAL, STEPS, cli, cli_json
+
+DISTCP = "__0_0.distcp"
+
+
+def flip_byte(path: str, offset: int = 1000) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.fixture
+def copy(local_run, tmp_path) -> str:
+    """A private copy of the run's directory, for tests that damage or delete."""
+    dst = str(tmp_path / "copy")
+    shutil.copytree(local_run.url, dst)
+    return dst
+
+
+def step_file(root: str, step: int, name: str = DISTCP) -> str:
+    return os.path.join(root, layout.step_dir(step), name)
+
+
+def test_ls_shows_the_partial_step_and_the_step_resume_then_picked(local_run):
+    steps = {s["step"]: s["status"] for s in local_run.ls_between["steps"]}
+    assert steps == {10: "committed", 20: "committed", HANG_AT: "partial"}
+    assert local_run.ls_between["resume_step"] == local_run.resumed_from == HANG_AT - INTERVAL
+    row = next(line for line in local_run.ls_between_text.splitlines() if line.split()[:1] == ["20"])
+    assert "committed" in row and "<- resume" in row
+    assert "no manifest.json" in next(line for line in local_run.ls_between_text.splitlines()
+                                      if line.split()[:1] == [str(HANG_AT)])
+
+
+def test_ls_after_the_resumed_attempt_finished(local_run):
+    listing = cli_json("ls", local_run.url)
+    assert [(s["step"], s["status"]) for s in listing["steps"]] == [(20, "committed"), (30, "committed"),
+                                                                     (40, "committed")]  # keep_last=3
+    assert listing["resume_step"] == STEPS
+    newest = listing["steps"][-1]
+    assert newest["world_size"] == 1 and newest["files"] == 3 and newest["bytes"] > 3_000_000 and newest["time"]
+
+
+def test_verify_passes_then_fails_after_a_byte_flip_naming_the_file(copy):
+    ok = cli("verify", copy)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert f"step {STEPS}: ok" in ok.stdout
+
+    flip_byte(step_file(copy, STEPS))
+    bad = cli("verify", copy)
+    assert bad.returncode == 1
+    assert f"{step_file(copy, STEPS)}: does not match its checksum" in bad.stdout
+    result = cli_json("verify", copy, rc=1)
+    assert result["ok"] is False and result["steps"][0]["problems"] == [
+        f"{step_file(copy, STEPS)}: does not match its checksum (corrupted)"]
+    assert cli("verify", copy, "--step", 30).returncode == 0
+    everything = cli_json("verify", copy, "--all", rc=1)
+    assert [(s["step"], s["ok"]) for s in everything["steps"]] == [(20, True), (30, True), (40, False)]
+
+
+def test_verify_names_a_truncated_file_and_a_missing_manifest(copy):
+    with open(step_file(copy, 30, "rank_00000.pt"), "r+b") as f:
+        f.truncate(10)
+    bad = cli("verify", copy, "--step", 30)
+    assert bad.returncode == 1 and f"{step_file(copy, 30, 'rank_00000.pt')}: has 10 bytes" in bad.stdout
+    os.remove(step_file(copy, 20, layout.MANIFEST))
+    missing = cli("verify", copy, "--step", 20)
+    assert missing.returncode == 1 and "manifest.json is missing" in missing.stdout
+    unknown = cli("verify", copy, "--step", 12345)
+    assert unknown.returncode == 2 and "has no step 12345" in unknown.stderr and "ft-checkpoint ls" in unknown.stderr
+
+
+def test_a_quarantined_step_is_corrupt_and_verify_checks_what_a_resume_would_load(copy):
+    manifest = step_file(copy, STEPS, layout.MANIFEST)
+    os.rename(manifest, manifest + ".skipped")  # what a resume does to a step it found corrupt
+    listing = cli_json("ls", copy)
+    assert listing["steps"][-1]["status"] == "corrupt" and "quarantined" in listing["steps"][-1]["reason"]
+    assert listing["resume_step"] == 30
+    assert [s["step"] for s in cli_json("verify", copy)["steps"]] == [30]
+    everything = cli_json("verify", copy, "--all", rc=1)
+    assert "quarantined" in everything["steps"][-1]["problems"][0]
+    partial = cli("inspect", copy, "--step", STEPS)
+    assert partial.returncode == 2 and "manifest.json is missing" in partial.stderr
+    assert "ft-checkpoint ls" in partial.stderr
+
+
+def test_report_shows_one_failure_and_the_steps_really_recomputed(local_run):
+    report = cli_json("report", local_run.url)
+    total, (killed, resumed) = report["total"], report["attempts"]
+    assert total["attempts"] == 2 and total["failures"] == 1 and total["preemptions"] == 0
+    actually_recomputed = local_run.killed_at - local_run.resumed_from
+    assert killed["recomputed_steps"] == total["recomputed_steps"] == actually_recomputed == INTERVAL, report
+    assert killed["outcome"] == "failed" and killed["last_step"] == HANG_AT and killed["recomputed_s"] > 0
+    assert resumed["outcome"] == "clean_end" and resumed["resumed_from"] == local_run.resumed_from
+    assert resumed["recomputed_steps"] is None and resumed["load_s"] > 0 and killed["gap_after_s"] > 0
+    assert total["stall_s"] > 0 and 0 < total["goodput"] < 1
+    parts = total["useful_s"] + total["stall_s"] + total["load_s"] + total["recomputed_s"] + total["gap_s"]
+    assert parts == pytest.approx(total["wall_s"], abs=1e-6)
+
+    text = cli("report", local_run.url).stdout
+    assert "2 attempts, 1 failure, 0 preemptions" in text
+    assert f"{INTERVAL} steps" in text and "goodput" in text and "failed" in text
+
+
+def test_inspect_reads_tensors_from_metadata(local_run):
+    info = cli_json("inspect", local_run.url, "--step", STEPS)
+    assert info["step"] == STEPS and info["manifest"]["world_size"] == 1
+    assert info["manifest"]["metadata"]["loss"] > 0 and info["manifest"]["epoch"] == 0
+    tensors = {t["name"]: t for t in info["tensors"]}
+    assert tensors["model/2.weight"] == {"name": "model/2.weight", "shape": [512, 512], "dtype": "float32",
+                                         "bytes": 512 * 512 * 4, "chunks": 1}
+    assert "optim/state/2/exp_avg_sq" in tensors
+    text = cli("inspect", local_run.url, "--step", STEPS).stdout
+    assert "model/2.weight" in text and "[512, 512]" in text and "torch" in text
+
+
+class _Payload:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_inspect_never_unpickles_anything_but_checkpoint_metadata(copy, tmp_path):
+    marker = str(tmp_path / "pwned")
+    evil = pickle.dumps(_Payload(marker))
+    with open(step_file(copy, STEPS, ".metadata"), "wb") as f:
+        f.write(evil)
+    bad = cli("inspect", copy, "--step", STEPS)  # the checksum no longer matches: refused before reading
+    assert bad.returncode == 2 and "does not match its checksum" in bad.stderr
+    manifest_path = step_file(copy, STEPS, layout.MANIFEST)
+    with open(manifest_path, "rb") as f:  # a forged manifest too: the allowlist still refuses
+        manifest = layout.Manifest.from_json(f.read())
+    manifest.files[".metadata"] = layout.FileEntry(size=len(evil), checksum=layout.checksum([evil]))
+    with open(manifest_path, "wb") as f:
+        f.write(manifest.to_json())
+    forged = cli("inspect", copy, "--step", STEPS)
+    assert forged.returncode == 2 and "posix.system" in forged.stderr and "refusing" in forged.stderr
+    assert not os.path.exists(marker)
+
+
+def test_gc_dry_run_deletes_nothing_then_gc_keeps_the_newest(copy):
+    plan = cli_json("gc", copy, "--keep", 1, "--dry-run")
+    assert plan["delete"] == [20, 30] and plan["keep"] == [40] and plan["protected"] == 40 and plan["dry_run"]
+    assert [s["step"] for s in cli_json("ls", copy)["steps"]] == [20, 30, 40]
+    text = cli("gc", copy, "--keep", 1, "--dry-run").stdout
+    assert "would delete: step 20, step 30" in text
+    assert cli_json("gc", copy, "--keep", 1)["delete"] == [20, 30]
+    assert [s["step"] for s in cli_json("ls", copy)["steps"]] == [40]
+
+
+def test_gc_never_deletes_the_newest_verified_step(copy):
+    flip_byte(step_file(copy, STEPS))  # step 40 still has its manifest, but no longer verifies
+    plan = cli_json("gc", copy, "--keep", 1)
+    assert plan["protected"] == 30 and plan["delete"] == [20]
+    assert [s["step"] for s in cli_json("ls", copy)["steps"]] == [30, 40]
+    assert cli("verify", copy, "--step", 30).returncode == 0
+
+
+def run_in_terminal(*args: str) -> str:
+    """Run the CLI with stdout and stderr on a pseudo-terminal; return what it drew."""
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "ft_checkpoint.cli", *args], stdout=follower, stderr=follower)
+    os.close(follower)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the terminal closed
+            break
+        if not chunk:
+            break
+        out += chunk
+    proc.wait(timeout=60)
+    os.close(leader)
+    return out.decode(errors="replace")
+
+
+def test_verify_draws_a_progress_bar_only_on_a_terminal(local_run):
+    drawn = run_in_terminal("verify", local_run.url, "--all")
+    assert "verifying [" in drawn and "100.0%" in drawn and "intact" in drawn
+    piped = cli("verify", local_run.url, "--all")
+    assert "verifying" not in piped.stdout + piped.stderr
+
+
+def test_report_plot_needs_matplotlib_and_says_how_to_get_it(local_run, tmp_path):
+    block = ("import sys\nclass B:\n def find_spec(self, name, path=None, target=None):\n"
+             "  if name.split('.')[0] == 'matplotlib': raise ImportError('blocked: ' + name)\n"
+             "sys.meta_path.insert(0, B())\nfrom ft_checkpoint.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    png = str(tmp_path / "timeline.png")
+    proc = subprocess.run([sys.executable, "-c", block, "report", local_run.url, "--plot", png],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "pip install 'ft-checkpoint[plot]'" in proc.stderr
+    assert not os.path.exists(png)
+
+
+def test_report_plot_draws_the_timeline(local_run, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = str(tmp_path / "timeline.png")
+    proc = cli("report", local_run.url, "--plot", png)
+    assert proc.returncode == 0, proc.stderr
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_reading_commands_do_not_import_torch(local_run):
+    code = ("import sys\nclass B:\n def find_spec(self, name, path=None, target=None):\n"
+            "  if name.split('.')[0] == 'torch': raise ImportError('blocked: ' + name)\n"
+            "sys.meta_path.insert(0, B())\nfrom ft_checkpoint.cli import main\n"
+            f"for cmd in (['ls'], ['verify', '--all'], ['report'], ['gc', '--keep', '3', '--dry-run']):\n"
+            f"    assert main([*cmd[:1], {local_run.url!r}, *cmd[1:], '--json']) == 0, cmd\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_errors_say_what_to_do(tmp_path):
+    missing = cli("ls", str(tmp_path / "nope"))
+    assert missing.returncode == 2 and "does not exist" in missing.stderr and "HINT" in missing.stderr
+    no_dir = cli("ls", env={"FT_CHECKPOINT_DIRPATH": None, "FT_CHECKPOINT_CONFIG": None})
+    assert no_dir.returncode == 2 and "pass DIR" in no_dir.stderr
+    bad_options = cli("ls", str(tmp_path), env={"FT_CHECKPOINT_STORAGE_OPTIONS": "{not json"})
+    assert bad_options.returncode == 2 and "storage_options" in bad_options.stderr
+    empty = cli("verify", str(tmp_path))
+    assert empty.returncode == 1 and "no committed step" in empty.stdout
+
+
+def test_dir_defaults_to_the_training_config(local_run):
+    listing = cli_json("ls", env={"FT_CHECKPOINT_DIRPATH": local_run.url})
+    assert listing["resume_step"] == STEPS

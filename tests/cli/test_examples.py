@@ -1,0 +1,83 @@
+"""The CLI on directories written by the project's own examples: the Lightning and the Accelerate one,
+each SIGKILLed partway and resumed.
+
+What the report can know of a killed attempt is its last progress note, written at every save and at
+most every ``progress_interval`` (10 s) in between. These examples die between saves, a few
+seconds into the job, so the report's recomputed steps is a lower bound of what the example says it
+recomputed (exact when the note landed at the kill, as in ``test_commands``, whose job dies mid-save).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from ft_checkpoint import layout
+from tests.cli.conftest import ROOT, cli, cli_json
+
+TIMEOUT = 300
+
+
+def run_example(*args: str, env: dict[str, str] | None = None, rc: int = 0) -> str:
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
+    assert proc.returncode == rc, proc.stdout + proc.stderr
+    return proc.stdout + proc.stderr
+
+
+def number(pattern: str, text: str) -> int:
+    match = re.search(pattern, text)
+    assert match, f"{pattern!r} not in the example's output:\n{text}"
+    return int(match.group(1))
+
+
+def check_directory(url: str, resumed_from: int, recomputed: int, tmp_path) -> None:
+    """ls, verify, a byte flip, and the report, against what the example says happened."""
+    listing = cli_json("ls", url)
+    assert listing["resume_step"] == max(s["step"] for s in listing["steps"])
+    assert all(s["status"] == "committed" for s in listing["steps"])
+    assert cli("verify", url, "--all").returncode == 0
+
+    report = cli_json("report", url)
+    killed, resumed = report["attempts"]
+    assert report["total"]["failures"] == 1 and killed["outcome"] == "failed"
+    assert resumed["resumed_from"] == resumed_from and resumed["outcome"] == "clean_end"
+    assert 0 <= killed["recomputed_steps"] <= recomputed  # see the module docstring
+    assert 0 < report["total"]["goodput"] < 1
+
+    copy = str(tmp_path / "copy")
+    shutil.copytree(url, copy)
+    newest = os.path.join(copy, layout.step_dir(listing["resume_step"]), "__0_0.distcp")
+    with open(newest, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    bad = cli("verify", copy)
+    assert bad.returncode == 1 and f"{newest}: does not match its checksum" in bad.stdout
+
+
+def test_lightning_example(tmp_path):
+    pytest.importorskip("lightning")
+    workdir = tmp_path / "lightning"
+    workdir.mkdir()
+    out = run_example("examples/lightning_resume.py", "--workdir", str(workdir), "--steps", "50", "--kill-after", "27")
+    killed_at = number(r"killed \(SIGKILL\)\s+after step (\d+)", out)
+    resumed_from = number(r"resumed from\s+step (\d+)", out)
+    check_directory(str(workdir / "ft_checkpoints"), resumed_from, killed_at - resumed_from, tmp_path)
+
+
+def test_accelerate_example(tmp_path):
+    pytest.importorskip("accelerate")
+    env = {"FT_CHECKPOINT_DIRPATH": str(tmp_path / "accelerate")}
+    first = run_example("examples/accelerate_resume.py", "--crash-at-step", "40", env=env, rc=-signal.SIGKILL)
+    killed_at = number(r"SIGKILL after optimizer step (\d+)", first)
+    second = run_example("examples/accelerate_resume.py", env=env)
+    resumed_from = number(r"resumed from (\d+)", second)
+    check_directory(env["FT_CHECKPOINT_DIRPATH"], resumed_from, killed_at - resumed_from, tmp_path)

@@ -1,0 +1,65 @@
+"""The goodput accounting on journals written by real Journal objects: failures, preemptions, fresh
+restarts, and attempts whose progress is unknown."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ft_checkpoint.goodput import goodput_report
+from ft_checkpoint.journal import Journal, new_attempt_id
+from ft_checkpoint.storage import Storage
+from tests.cli.conftest import cli
+
+
+def attempt(storage: Storage, *events: tuple, progress: int | None = None) -> str:
+    """Write one attempt's journal: ``(event, fields)`` pairs, then its progress note."""
+    time.sleep(0.002)  # attempt ids sort by start time
+    journal = Journal(storage, attempt=new_attempt_id())
+    journal.record("attempt_start", world_size=1)
+    for event, fields in events:
+        time.sleep(0.002)
+        journal.record(event, **fields)
+    if progress is not None:
+        journal.progress(progress, force=True)
+    journal.close()
+    return journal.attempt
+
+
+def test_failure_then_preemption_then_clean_end(tmp_path):
+    s = Storage(str(tmp_path / "run"))
+    attempt(s, ("save_started", {"step": 10, "stall": 0.1}), ("commit", {"step": 10, "stall": 0.1}),
+            ("save_started", {"step": 20, "stall": 0.2}), progress=25)
+    attempt(s, ("resume", {"step": 10, "seconds": 0.5}), ("save_started", {"step": 30, "stall": 0.3}),
+            ("commit", {"step": 30}), ("preempted", {}), progress=30)
+    attempt(s, ("resume", {"step": 30, "seconds": 0.25}), ("clean_end", {}), progress=40)
+    report = goodput_report(s)
+    failed, preempted, clean = report.attempts
+    assert [a.outcome for a in report.attempts] == ["failed", "preempted", "clean_end"]
+    assert report.failures == 1 and report.preemptions == 1
+    assert failed.recomputed_steps == 15 and failed.recomputed_since == failed.saves[0][0]
+    assert failed.recomputed_s == pytest.approx(failed.end - failed.saves[0][0])
+    assert preempted.recomputed_steps == 0 and preempted.recomputed_s == 0
+    assert clean.recomputed_steps is None and clean.gap_after_s is None
+    assert report.stall_s == pytest.approx(0.6) and report.load_s == pytest.approx(0.75)
+    assert report.recomputed_steps == 15
+
+    text = cli("report", s.url).stdout
+    assert "3 attempts, 1 failure, 1 preemption" in text and "15 steps" in text
+
+
+def test_a_fresh_restart_recomputes_everything_and_unknown_progress_stays_unknown(tmp_path):
+    s = Storage(str(tmp_path / "run"))
+    first = attempt(s, progress=7)
+    attempt(s)  # died before any progress note, restarted fresh
+    attempt(s, ("clean_end", {}), progress=12)
+    lost, unknown, _ = goodput_report(s).attempts
+    assert lost.attempt == first and lost.recomputed_steps == 7 and lost.recomputed_since == lost.start
+    assert unknown.outcome == "failed" and unknown.recomputed_steps is None and unknown.last_step is None
+
+
+def test_no_journal(tmp_path):
+    assert goodput_report(Storage(str(tmp_path))).goodput is None
+    proc = cli("report", str(tmp_path))
+    assert proc.returncode == 0 and "no journal" in proc.stdout
