@@ -1,0 +1,147 @@
+"""The hook in-process: configuration the Accelerate way, errors that say what to do, metrics, imports."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.tracking import GeneralTracker
+
+from accelerate_ft import FaultTolerantCheckpoint, FaultTolerantCheckpointPlugin
+from ft_checkpoint import CheckpointConfig, ConfigError
+
+EXAMPLE_YAML = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "accelerate_ft.yaml")
+
+
+class MemoryTracker(GeneralTracker):
+    """A tracker that keeps what ``accelerator.log`` sends it."""
+
+    name = "memory"
+    requires_logging_directory = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[tuple[int | None, dict]] = []
+
+    @property
+    def tracker(self):
+        return self
+
+    def store_init_configuration(self, values: dict) -> None:
+        pass
+
+    def log(self, values: dict, step: int | None = None, **kwargs) -> None:
+        self.logged.append((step, dict(values)))
+
+
+@pytest.fixture
+def make_accelerator():
+    """A fresh ``Accelerator(cpu=True)`` (Accelerate keeps its state in process-wide singletons)."""
+
+    def make(**kwargs) -> Accelerator:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        return Accelerator(cpu=True, **kwargs)
+
+    yield make
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("FT_CHECKPOINT_"):
+            monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def prepared(acc: Accelerator, batches: int = 8):
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(torch.randn(4 * batches, 4), batch_size=4, shuffle=True)
+    return acc.prepare(model, opt, loader)
+
+
+def test_plugin_falls_back_to_env_vars_then_yaml_and_explicit_wins(clean_env):
+    clean_env.setenv("FT_CHECKPOINT_CONFIG", EXAMPLE_YAML)
+    plugin = FaultTolerantCheckpointPlugin()
+    assert (plugin.dirpath, plugin.interval, plugin.keep_last) == ("checkpoints/accelerate_resume", 20, 3)
+
+    clean_env.setenv("FT_CHECKPOINT_DIRPATH", "s3://bucket/run")
+    clean_env.setenv("FT_CHECKPOINT_INTERVAL", "30m")
+    clean_env.setenv("FT_CHECKPOINT_STORAGE_OPTIONS", '{"endpoint_url": "http://127.0.0.1:9000"}')
+    plugin = FaultTolerantCheckpointPlugin(keep_last=7)
+    assert plugin.dirpath == "s3://bucket/run" and plugin.interval.total_seconds() == 1800
+    assert plugin.storage_options == {"endpoint_url": "http://127.0.0.1:9000"} and plugin.keep_last == 7
+    assert FaultTolerantCheckpointPlugin(dirpath="/explicit").dirpath == "/explicit"
+
+
+def test_plugin_has_every_core_setting():
+    plugin_fields = [f.name for f in dataclasses.fields(FaultTolerantCheckpointPlugin) if f.init]
+    assert plugin_fields == [f.name for f in dataclasses.fields(CheckpointConfig)]
+
+
+def test_errors_say_what_to_do(make_accelerator, clean_env, tmp_path):
+    acc = make_accelerator()
+    with pytest.raises(ConfigError, match="after `model, optimizer, ... = accelerator.prepare"):
+        FaultTolerantCheckpoint(acc, str(tmp_path))
+    prepared(acc)
+    with pytest.raises(ConfigError, match="did you mean 'keep_last'"):
+        FaultTolerantCheckpoint(acc, str(tmp_path), keep_lst=2)
+    with pytest.raises(ConfigError, match="either plugin= or"):
+        FaultTolerantCheckpoint(acc, str(tmp_path), plugin=FaultTolerantCheckpointPlugin(dirpath=str(tmp_path)))
+    with pytest.raises(ConfigError, match="FT_CHECKPOINT_DIRPATH"):
+        FaultTolerantCheckpoint(acc)
+
+
+def test_metrics_go_to_accelerator_log(make_accelerator, clean_env):
+    tracker = MemoryTracker()
+    acc = make_accelerator(log_with=[tracker])
+    acc.init_trackers("ft-test")
+    model, opt, loader = prepared(acc, batches=8)
+    with FaultTolerantCheckpoint(acc, f"memory://accelerate-metrics-{uuid.uuid4().hex}", interval=2) as ft:
+        for _ in ft.epochs(1):
+            for x in ft.batches(loader):
+                acc.backward(model(x).sum())
+                opt.step()
+                opt.zero_grad()
+    started = [(step, v) for step, v in tracker.logged if "ft_checkpoint/stall_s" in v]
+    assert [step for step, _ in started] == [2, 4, 6, 8]
+    assert all(v["ft_checkpoint/interval_steps"] == 2 and v["ft_checkpoint/stall_s"] >= 0 for _, v in started)
+    durable = [v for _, v in tracker.logged if "ft_checkpoint/durable_s" in v]
+    assert sorted(v["ft_checkpoint/saved_step"] for v in durable) == [2, 4, 6, 8]
+    assert all(v["ft_checkpoint/bytes"] > 0 and v["ft_checkpoint/durable_s"] > 0 for v in durable)
+
+
+def test_resumes_at_construction_with_counters_and_scheduler(make_accelerator, clean_env, tmp_path):
+    url = str(tmp_path / "ckpt")
+    acc = make_accelerator()
+    model, opt, loader = prepared(acc, batches=8)
+    sched = acc.prepare(torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=1, gamma=0.5))
+    with FaultTolerantCheckpoint(acc, url, interval=5, async_save=False) as ft:
+        for _ in ft.epochs(1):
+            for i, x in enumerate(ft.batches(loader)):
+                acc.backward(model(x).sum())
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+                if i == 4:
+                    weight_at_5 = model.weight.detach().clone()
+                if i == 5:
+                    break  # step 5 was saved when batch 5 was requested; batch 5 (step 6) is not counted
+
+    acc = make_accelerator()
+    model, opt, loader = prepared(acc, batches=8)
+    sched = acc.prepare(torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=1, gamma=0.5))
+    ft = FaultTolerantCheckpoint(acc, url, interval=5)
+    assert (ft.resumed_from, ft.global_step, ft.epoch, ft.batches_done) == (5, 5, 0, 5)
+    assert torch.equal(model.weight, weight_at_5)
+    assert sched.get_last_lr() == pytest.approx([0.1 * 0.5**5])
+    ft.close()
+

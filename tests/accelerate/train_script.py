@@ -1,0 +1,137 @@
+"""A real Accelerate training loop with FaultTolerantCheckpoint, for the end-to-end tests.
+
+    python train_script.py OUT [--dirpath D] [--epochs 3] [--ga 1] [--interval 3] [--kill-at N] ...
+    accelerate launch --multi_gpu --num_processes 2 ... train_script.py OUT --kill-at N --kill-rank 1 --kill-first-attempt
+
+Trains a small MLP with dropout (so the RNG matters), AdamW, a StepLR schedule and a shuffled
+DataLoader whose samples carry their index. ``--kill-at N`` SIGKILLs the process at the top of the
+loop body of micro-batch N (counted over all epochs), so a save may be in flight. Without ``--dirpath``
+the checkpoint settings come only from ``FT_CHECKPOINT_*`` env vars. At the end each rank writes
+``OUT/final_rank<R>.pt``: final weights, optimizer state, learning rate, the next random numbers, and
+the sample indices this attempt trained on. Lines starting with ``FTTEST`` report what happened.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import set_seed
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from accelerate_ft import FaultTolerantCheckpoint  # noqa: E402
+
+
+class IndexedData(torch.utils.data.Dataset):
+    """``(x, y, index)`` samples that count how often they are loaded."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.x, self.y = torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g)
+        self.loaded = 0
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        self.loaded += 1
+        return self.x[i], self.y[i], i
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--dirpath")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--ga", type=int, default=1)
+    p.add_argument("--interval", type=int)
+    p.add_argument("--samples", type=int, default=96)
+    p.add_argument("--kill-at", type=int)
+    p.add_argument("--kill-rank", type=int, default=0)
+    p.add_argument("--kill-first-attempt", action="store_true", help="kill only when TORCHELASTIC_RESTART_COUNT=0")
+    p.add_argument("--fsdp2", action="store_true", help="shard the model with fully_shard (FSDP2) on CPU")
+    p.add_argument("--seedable", action="store_true", help="Accelerate's seedable sampler (seed + epoch)")
+    p.add_argument("--loader-generator", action="store_true", help="DataLoader(generator=...) owns the shuffle")
+    return p.parse_args()
+
+
+def build_model(acc: Accelerator, fsdp2: bool) -> torch.nn.Module:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 1))
+    if fsdp2:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (acc.num_processes,))
+        for layer in (model[0], model[3]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model
+
+
+def should_kill(args: argparse.Namespace, acc: Accelerator, position: int) -> bool:
+    if args.kill_at is None or position != args.kill_at or acc.process_index != args.kill_rank:
+        return False
+    return not args.kill_first_attempt or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
+def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, [opt.optimizer], options=StateDictOptions(full_state_dict=True))
+
+
+def main() -> None:
+    args = parse()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    set_seed(0)
+    data_config = DataLoaderConfiguration(use_seedable_sampler=True) if args.seedable else None
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=args.ga, dataloader_config=data_config)
+    data = IndexedData(args.samples)
+    model = build_model(acc, args.fsdp2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
+    generator = torch.Generator().manual_seed(5) if args.loader_generator else None
+    loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True, generator=generator)
+    if args.fsdp2:  # Accelerate has no FSDP on CPU and would wrap the sharded model in DDP: register it as is
+        opt, sched, loader = acc.prepare(opt, sched, loader)
+        acc._models.append(model)
+    else:
+        model, opt, sched, loader = acc.prepare(model, opt, sched, loader)
+    config = {"interval": args.interval} if args.interval else {}
+
+    seen, ran = [], 0
+    with FaultTolerantCheckpoint(acc, args.dirpath, **config) as ft:
+        print(f"FTTEST rank={acc.process_index} resumed_from={ft.resumed_from} epoch={ft.epoch} "
+              f"batches_done={ft.batches_done}", flush=True)
+        for _ in ft.epochs(args.epochs):
+            for x, y, index in ft.batches(loader):
+                if should_kill(args, acc, ft.epoch * len(loader) + ft.batches_done):
+                    print(f"FTTEST rank={acc.process_index} SIGKILL at global_step={ft.global_step}", flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                seen.append(index.tolist())
+                ran += 1
+                with acc.accumulate(model):
+                    loss = torch.nn.functional.mse_loss(model(x), y)
+                    acc.backward(loss)
+                    opt.step()
+                    sched.step()
+                    opt.zero_grad()
+    model_sd, optim_sd = full_state(model, opt)
+    result = {"model": model_sd, "optim": optim_sd, "lr": sched.get_last_lr(), "probe": torch.rand(4),
+              "seen": seen, "global_step": ft.global_step}
+    torch.save(result, os.path.join(args.out, f"final_rank{acc.process_index}.pt"))
+    print("FTTEST " + json.dumps({"rank": acc.process_index, "ran": ran, "loaded": data.loaded,
+                                  "global_step": ft.global_step}), flush=True)
+    acc.wait_for_everyone()
+    acc.end_training()
+
+
+if __name__ == "__main__":
+    main()
