@@ -1,0 +1,148 @@
+"""What checkpointing costs a Lightning training: none, ModelCheckpoint, + AsyncCheckpointIO, and ours.
+
+The same training (a model whose fp32 weights plus Adam's two moments make about ``--mb`` MB; ``--steps``
+steps, a save every ``--every`` steps) runs once per method, each in a fresh process, and the table
+shows the training time (``trainer.fit`` until every save is durable) and the overhead against no
+checkpointing, side by side; also the process CPU time (all threads: what the background writes cost in
+compute) and how long the training waited per save (measured by the callback for ours; for Lightning
+the time spent in ModelCheckpoint's hook when it saved). On a shared machine wall-clock times swing
+with other load; the stall and CPU columns do much less.
+
+    python benchmarks/lightning_overhead.py                       # ~800 MB, 100 steps, save every 20
+    python benchmarks/lightning_overhead.py --mb 100 --steps 40   # quick
+
+Target: our overhead at most 0.1x ModelCheckpoint's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+METHODS = ["none", "ModelCheckpoint", "ModelCheckpoint+AsyncCheckpointIO", "FaultTolerantCheckpoint"]
+
+
+def run_method(method: str, mb: int, steps: int, every: int, directory: str) -> dict:
+    """One training with one method, in this process; returns its measurements."""
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_ft import FaultTolerantCheckpoint
+
+    width, batch = 2048, 8
+    layers = max(1, round(mb * 1e6 / 3 / 4 / (width * width)))
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+
+        def training_step(self, b, i):
+            return self.net(b[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-5)
+
+    class Timed(ModelCheckpoint):
+        """ModelCheckpoint that records how long each of its saves blocked the training."""
+
+        stalls: list[float] = []
+
+        def on_train_batch_end(self, trainer, *args, **kwargs):
+            t0, saved = time.perf_counter(), self._last_global_step_saved
+            super().on_train_batch_end(trainer, *args, **kwargs)
+            if self._last_global_step_saved != saved:
+                self.stalls.append(time.perf_counter() - t0)
+
+    pl.seed_everything(0, verbose=False)
+    data = DataLoader(TensorDataset(torch.randn((steps + 1) * batch, width)), batch_size=batch)  # no epoch end
+    callbacks: list = []
+    plugins: list = []
+    ft = mc = None
+    if method.startswith("ModelCheckpoint"):
+        mc = Timed(dirpath=directory, every_n_train_steps=every, save_top_k=-1)
+        callbacks.append(mc)
+        plugins = [AsyncCheckpointIO()] if "Async" in method else []
+    elif method == "FaultTolerantCheckpoint":
+        ft = FaultTolerantCheckpoint(directory, interval=every, keep_last=2)
+        callbacks.append(ft)
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=bool(callbacks), callbacks=callbacks,
+                         plugins=plugins, num_sanity_val_steps=0)
+    model = Model()
+    state_mb = 3 * sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
+    t0, c0 = time.perf_counter(), time.process_time()
+    trainer.fit(model, data)  # returns once teardown drained every save
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    stalls = ft.stalls if ft is not None else (mc.stalls if mc is not None else [])
+    return {"method": method, "seconds": seconds, "cpu": cpu, "state_mb": state_mb, "saves": len(stalls),
+            "stall": sum(stalls) / len(stalls) if stalls else 0.0, "threads": torch.get_num_threads()}
+
+
+def run_child(method: str, args: argparse.Namespace, directory: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--method", method, "--mb", str(args.mb),
+           "--steps", str(args.steps), "--every", str(args.every), "--dir", directory]
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    shutil.rmtree(directory, ignore_errors=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{method} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mb", type=int, default=800, help="model + Adam state, MB")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--every", type=int, default=20, help="save every N steps")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per method, interleaved; the table shows medians")
+    ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir on local disk)")
+    ap.add_argument("--method", choices=METHODS, help=argparse.SUPPRESS)  # one run, in a child process
+    args = ap.parse_args()
+    if args.method:
+        print(json.dumps(run_method(args.method, args.mb, args.steps, args.every, args.dir)))
+        return
+
+    base = tempfile.mkdtemp(prefix="ft_lightning_bench_", dir=args.dir)
+    runs: dict[str, list[dict]] = {m: [] for m in METHODS}
+    try:
+        for _ in range(args.repeats):
+            for method in METHODS:  # interleaved, so a slow spell of a shared machine hits every method
+                runs[method].append(run_child(method, args, os.path.join(base, method)))
+                print(f"  {method}: {runs[method][-1]['seconds']:.1f} s", file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    rows = {m: {**r[0], **{k: statistics.median(x[k] for x in r) for k in ("seconds", "cpu", "stall")}}
+            for m, r in runs.items()}
+
+    none, none_cpu = rows["none"]["seconds"], rows["none"]["cpu"]
+    first = rows["none"]
+    print(f"\nstate {first['state_mb']:.0f} MB (model + Adam), {args.steps} steps, a save every {args.every}, "
+          f"{first['threads']} torch threads, {os.cpu_count()} CPUs, median of {args.repeats} run(s) per method")
+    print(f"{'method':<36}{'train s':>9}{'overhead s':>12}{'CPU s':>8}{'CPU overhead s':>16}{'saves':>7}"
+          f"{'stall/save s':>14}{'stall total s':>15}")
+    for method, r in rows.items():
+        print(f"{method:<36}{r['seconds']:>9.1f}{r['seconds'] - none:>12.1f}{r['cpu']:>8.1f}{r['cpu'] - none_cpu:>16.1f}"
+              f"{r['saves']:>7}{r['stall']:>14.3f}{r['stall'] * r['saves']:>15.2f}")
+    ours, theirs = rows["FaultTolerantCheckpoint"], rows["ModelCheckpoint"]
+    print("\nours / ModelCheckpoint (target <= 0.1x):")
+    for label, a, b in [("training-time overhead", ours["seconds"] - none, theirs["seconds"] - none),
+                        ("time training waited (stall total)", ours["stall"] * ours["saves"], theirs["stall"] * theirs["saves"]),
+                        ("CPU-time overhead (all threads)", ours["cpu"] - none_cpu, theirs["cpu"] - none_cpu)]:
+        ratio = a / b if b > 0 else float("nan")
+        verdict = "MET" if 0 <= ratio <= 0.1 else ("n/a: no overhead measured for ModelCheckpoint" if b <= 0 else "NOT MET")
+        print(f"  {label:<36}{ratio:>7.2f}x  {verdict}")
+    print("Wall-clock figures need a quiet machine; on a shared one, compare the stall and CPU columns.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""Every use of Lightning's (and torch's DataLoader's) private API in lightning_ft, in one place.
+
+Lightning offers no public way to do three things a fault-tolerant callback needs:
+
+1. build the full checkpoint dict of a run without writing it (``_checkpoint_connector.dump_checkpoint``);
+2. make ``fit()`` restore from a dict instead of a file (``_checkpoint_connector.resume_start`` and
+   ``_loaded_checkpoint``);
+3. put a plain ``DataLoader`` back at the batch where the interrupted epoch stopped (Lightning restarts
+   the epoch's iterator from its first batch; ``fit_loop._data_fetcher`` / ``_combined_loader``, the
+   DataLoader iterator's ``_next_index``).
+
+Each use is a small function here. ``tests/lightning/test_lightning_internals.py`` exercises every one
+of them against the installed Lightning and fails, naming this module, when a release changes one.
+:data:`TESTED` is the range of Lightning versions that test passed on; pyproject pins the same range.
+
+Example:
+    >>> check_version("2.6.6")
+    True
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+TESTED = ((2, 5), (2, 7))
+"""Lightning versions ``[low, high)`` the test suite passed with (2.5.6, 2.6.6; 2.4 resumes inexactly)."""
+
+LIGHTNING_MIDEPOCH_WARNING = "You're resuming from a checkpoint that ended before the epoch ended"
+"""The start of the warning Lightning gives when it cannot restore a position inside an epoch."""
+
+
+def check_version(version: str | None = None) -> bool:
+    """Whether ``version`` (default: the installed Lightning) is in :data:`TESTED`; warns once if not."""
+    if version is None:
+        import lightning
+
+        version = lightning.__version__
+    m = re.match(r"(\d+)\.(\d+)", version)
+    ok = bool(m) and TESTED[0] <= (int(m.group(1)), int(m.group(2))) < TESTED[1]
+    if not ok:
+        low, high = (".".join(map(str, v)) for v in TESTED)
+        warnings.warn(f"lightning {version} is outside the range lightning_ft was tested with (>={low},<{high}); "
+                      f"resume may fail or be inexact. HINT: pip install 'lightning>={low},<{high}'", stacklevel=2)
+    return ok
+
+
+# -- the checkpoint dict --------------------------------------------------------------------------
+def dump_checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
+    """The dict ``trainer.save_checkpoint`` would write (its tensors alias the live state).
+
+    Calls the ``on_save_checkpoint`` hooks of callbacks and the LightningModule, like a save does.
+    Must be called on every rank (sharded strategies gather inside it).
+    """
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def loops_state(trainer: pl.Trainer) -> dict[str, Any]:
+    """The ``"loops"`` entry of :func:`dump_checkpoint` alone (progress counters; cheap)."""
+    return trainer._checkpoint_connector._get_loops_state_dict()
+
+
+def intercept_resume(trainer: pl.Trainer, load: Callable[[Any], dict[str, Any] | None]) -> None:
+    """Have this fit's restore call ``load(ckpt_path)`` first; a dict it returns is restored like a file.
+
+    ``ckpt_path`` is what ``fit(ckpt_path=...)`` resolved to (None when the user gave none). When
+    ``load`` returns None, Lightning does what it would have done without this.
+    """
+    connector = trainer._checkpoint_connector
+    original = type(connector).resume_start.__get__(connector)
+
+    def resume_start(checkpoint_path: Any = None, *args: Any, **kwargs: Any) -> None:  # 2.6 added weights_only
+        connector.__dict__.pop("resume_start", None)  # once per fit
+        loaded = load(checkpoint_path)
+        original(checkpoint_path, *args, **kwargs)
+        if loaded is not None and not checkpoint_path:
+            connector._loaded_checkpoint = loaded
+
+    connector.resume_start = resume_start
+
+
+def release_resume(trainer: pl.Trainer) -> None:
+    """Undo :func:`intercept_resume` if the fit ended before restoring."""
+    trainer._checkpoint_connector.__dict__.pop("resume_start", None)
+
+
+# -- where in the epoch are we --------------------------------------------------------------------
+def batches_done_in_epoch(trainer: pl.Trainer) -> int:
+    """How many batches of the current epoch the loop has fetched (restored from a checkpoint, too)."""
+    return trainer.fit_loop.epoch_loop.batch_progress.current.ready
+
+
+def is_last_batch(trainer: pl.Trainer) -> bool:
+    """Whether the batch that just ran is the last of its epoch."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    return progress.is_last_batch or progress.current.ready >= trainer.num_training_batches
+
+
+def validation_follows(trainer: pl.Trainer) -> bool:
+    """Whether Lightning runs validation right after the current training batch (same answer on all ranks)."""
+    loop = trainer.fit_loop
+    follows = bool(loop.epoch_loop._should_check_val_fx(loop._data_fetcher))
+    if getattr(trainer, "_val_check_time_interval", None) is not None:  # time based: clocks differ per rank
+        follows = trainer.strategy.reduce_boolean_decision(follows, all=False)
+    return follows
+
+
+# -- putting the data back where it was -----------------------------------------------------------
+def train_loaders(trainer: pl.Trainer) -> list[Any]:
+    """The training dataloaders of this fit (after Lightning wrapped them, e.g. DistributedSampler)."""
+    loader = trainer.fit_loop._combined_loader
+    return list(loader.flattened) if loader is not None else []
+
+
+def loaders_restore_themselves(trainer: pl.Trainer) -> bool:
+    """Whether every train loader is stateful (``state_dict``/``load_state_dict``): Lightning restores those."""
+    loaders = train_loaders(trainer)
+    return bool(loaders) and all(callable(getattr(dl, "state_dict", None)) and callable(getattr(dl, "load_state_dict", None))
+                                 for dl in loaders)
+
+
+def replay_epoch(trainer: pl.Trainer, iterator_rng: torch.Tensor, skip: int) -> bool:
+    """Re-create the current epoch's train iterator as it was first created, then skip ``skip`` batches.
+
+    ``iterator_rng`` is the torch RNG state from right before the epoch's iterator was created (the
+    iterator draws its shuffle seed and worker seeds from it). Batches are skipped without loading
+    them when that is exact (map-style dataset, no workers). Returns False, changing nothing, when the
+    loaders have no length or the fetcher hands the iterator to ``training_step``.
+    """
+    from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
+
+    loop = trainer.fit_loop
+    fetcher, combined = loop._data_fetcher, loop._combined_loader
+    if combined is None or fetcher is None or isinstance(fetcher, _DataLoaderIterDataFetcher):
+        return False
+    if loop.max_batches == float("inf"):
+        return False
+    epoch = loop.epoch_progress.current.processed
+    for dl in combined.flattened:
+        _set_sampler_epoch(dl, epoch)
+    torch.set_rng_state(iterator_rng)
+    iter(fetcher)  # a new iterator in the fetcher, fetched = 0 (the epoch loop adds the restored count)
+    it = combined._iterator
+    fast = len(it.iterators) == 1 and _can_skip_without_loading(it.iterators[0])
+    for _ in range(skip):
+        if fast:
+            it.iterators[0]._next_index()
+            it.iterators[0]._num_yielded += 1
+            it._idx += 1
+        else:
+            next(it)
+    return True
+
+
+def _can_skip_without_loading(iterator: Any) -> bool:
+    return isinstance(iterator, _SingleProcessDataLoaderIter) and iterator._dataset_kind == _DatasetKind.Map
+
+
+def _set_sampler_epoch(dataloader: Any, epoch: int) -> None:
+    """``set_epoch(epoch)`` on the loader's sampler and batch sampler's sampler (DistributedSampler)."""
+    samplers = [getattr(dataloader, "sampler", None), getattr(getattr(dataloader, "batch_sampler", None), "sampler", None)]
+    seen = set()
+    for sampler in samplers:
+        if sampler is not None and id(sampler) not in seen and callable(getattr(sampler, "set_epoch", None)):
+            seen.add(id(sampler))
+            sampler.set_epoch(epoch)
+
+
+def silence_midepoch_warning() -> Callable[[], None]:
+    """Hide Lightning's "not resumable" warning (the position was restored); returns the undo."""
+    warnings.filterwarnings("ignore", message=re.escape(LIGHTNING_MIDEPOCH_WARNING))
+    entry = warnings.filters[0]
+
+    def undo() -> None:
+        if entry in warnings.filters:
+            warnings.filters.remove(entry)
+            mutated = getattr(warnings, "_filters_mutated", None)  # resets the "already warned" caches
+            if callable(mutated):
+                mutated()
+
+    return undo

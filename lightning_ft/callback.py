@@ -1,0 +1,417 @@
+"""FaultTolerantCheckpoint: asynchronous, verified checkpoints and automatic resume for Lightning.
+
+One callback; ``trainer.fit`` then resumes by itself after a crash, a preemption or a requeue::
+
+    trainer = L.Trainer(callbacks=[FaultTolerantCheckpoint("gs://bucket/run-7", interval=500)])
+    trainer.fit(model, datamodule)   # no ckpt_path: newest committed, verified checkpoint, or fresh
+
+What is saved is what ``trainer.save_checkpoint`` saves (model, optimizers, LR schedulers, precision
+plugin, loops, other callbacks, datamodule), plus each rank's RNG states and what it takes to put a
+plain ``DataLoader`` back at the next batch of the interrupted epoch. When and where to save, the
+write, the commit and the resume checks are the core's (:class:`ft_checkpoint.CheckpointManager`).
+
+Example:
+    >>> from lightning_ft import FaultTolerantCheckpoint
+    >>> cb = FaultTolerantCheckpoint("/tmp/ft-doc-run", interval=100, keep_last=2)
+    >>> cb.dirpath
+    '/tmp/ft-doc-run'
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy, Strategy
+
+from ft_checkpoint import CheckpointConfig, CheckpointManager, ConfigError, FTCheckpointError, SavePolicy, SaveStats
+from ft_checkpoint.state import rng_state, set_rng_state
+from lightning_ft import _lightning_internals as internals
+from lightning_ft._state import encode_tensor, from_core, rank0_buffers, to_core
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
+
+AGREE_TIMEOUT = 30.0
+"""Seconds ranks wait for each other to agree on a save after an exception (``save_on_exception``, DDP)."""
+PREFIX = "ft_checkpoint/"
+"""Prefix of the metrics logged through the trainer's loggers (the same as accelerate_ft's)."""
+DEFAULT_SUBDIR = "ft_checkpoints"
+"""Without a dirpath (argument, env or config file), checkpoints go to ``<default_root_dir>/ft_checkpoints``."""
+
+
+def check_strategy(strategy: Strategy) -> None:
+    """Raise ConfigError unless ``strategy`` is one this callback supports: single device or DDP.
+
+    Example:
+        >>> from lightning.pytorch.strategies import DDPStrategy
+        >>> check_strategy(DDPStrategy())
+    """
+    if isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and not isinstance(strategy, DeepSpeedStrategy):
+        return
+    raise ConfigError(
+        f"FaultTolerantCheckpoint supports single-device and DDP training, not {type(strategy).__name__}: sharded "
+        "strategies (FSDP, DeepSpeed, ModelParallel) need GPUs and are not tested yet. HINT: use strategy='ddp', or "
+        "Lightning's ModelCheckpoint for this run")
+
+
+class _Lazy(Mapping[str, Any]):
+    """A state dict built on first use: ``maybe_save`` reads its state only when it saves."""
+
+    def __init__(self, build: Callable[[], dict[str, Any]]) -> None:
+        self._build = build
+        self._state: dict[str, Any] | None = None
+
+    def _get(self) -> dict[str, Any]:
+        if self._state is None:
+            self._state = self._build()
+        return self._state
+
+    def __getitem__(self, key: str) -> Any:
+        return self._get()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+
+@dataclasses.dataclass
+class _SafePoint:
+    """The end of the last batch a resume could start after (kept only with ``save_on_exception``)."""
+
+    step: int
+    loops: dict[str, Any]
+    rng: dict[str, Any]
+    iter_rng: torch.Tensor | None
+
+
+class FaultTolerantCheckpoint(Checkpoint):
+    """Save training asynchronously through ft-checkpoint and resume ``fit`` from the newest good checkpoint.
+
+    Args:
+        dirpath: Local path or fsspec URL (``gs://bucket/run``, ``s3://...``). Default:
+            ``FT_CHECKPOINT_DIRPATH`` or the config file, else ``<trainer.default_root_dir>/ft_checkpoints``
+            (on several nodes, give a shared path).
+        save_on_exception: When training raises (an error, Ctrl-C, SIGTERM), also save the state of the last
+            completed step before the exception propagates, unless the exception interrupted that step's
+            optimizer update. Under DDP every rank must raise after the same step (as on SIGTERM, which
+            Lightning turns into an exception on all ranks at the same batch); otherwise nothing is saved.
+        drain_timeout: Seconds to wait, after an exception, for a save in flight to commit.
+        policy: A :class:`ft_checkpoint.SavePolicy` instead of the one ``interval`` names.
+        **config: Any :class:`ft_checkpoint.CheckpointConfig` field: ``interval`` (steps, ``"30m"``,
+            ``"adaptive"``), ``keep_last``, ``keep_every_n_steps``, ``storage_options``, ``async_save``,
+            ``save_rng_state``, ``verify_checksums``, ``retries``. Arguments win over ``FT_CHECKPOINT_*``
+            env vars, which win over the YAML file in ``FT_CHECKPOINT_CONFIG``.
+
+    The step of a checkpoint is ``trainer.global_step``. A save the policy asks for on the last batch of an
+    epoch or right before validation happens one batch later (resuming there would skip the epoch end or
+    the validation). An explicit ``trainer.fit(ckpt_path=...)`` wins over the automatic resume. This
+    callback replaces Lightning's default ``ModelCheckpoint``; add one yourself to keep best-k files.
+
+    Example:
+        >>> cb = FaultTolerantCheckpoint("memory://doc/cb", interval=50, save_on_exception=True)
+        >>> cb.save_on_exception, cb.resumed_from
+        (True, None)
+    """
+
+    best_model_path = ""
+    """Always empty: this callback keeps the newest checkpoints, not the best (``ckpt_path="best"`` needs
+    a ``ModelCheckpoint(monitor=...)``)."""
+
+    def __init__(self, dirpath: str | None = None, *, save_on_exception: bool = False,
+                 drain_timeout: float = 300.0, policy: SavePolicy | None = None, **config: Any) -> None:
+        super().__init__()
+        CheckpointConfig.from_env(dirpath=dirpath, **config)  # a bad value fails here, not at fit time
+        self.dirpath = dirpath
+        self.save_on_exception = save_on_exception
+        self.drain_timeout = drain_timeout
+        self.policy = policy
+        self.config = dict(config)
+        self.manager: CheckpointManager | None = None
+        """The core manager of the current fit (created in ``setup``)."""
+        self.saves: list[SaveStats] = []
+        """Every save this callback started in the current fit (the core's stats; ``committed`` once durable)."""
+        self.stalls: list[float] = []
+        """Seconds each of those saves blocked training (taking Lightning's state dict, then staging)."""
+        self.resumed_from: int | None = None
+        """The step the last fit resumed from, or None."""
+        self._reset()
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(dirpath=self.dirpath)
+
+    def _reset(self) -> None:
+        self._resume: dict[str, Any] | None = None
+        self._iter_rng: torch.Tensor | None = None
+        self._last_step: int | None = None
+        self._pending = False
+        self._undo_warning: Any = None
+        self._unreported: list[SaveStats] = []
+        self._safe_point: _SafePoint | None = None
+        self._stepped_since_safe = False
+        self._hooks: list[Any] = []
+        self._active = False
+        self._exception_group: Any = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        internals.check_version()
+        check_strategy(trainer.strategy)
+        self._reset()
+        self.resumed_from = None
+        self.saves, self.stalls = [], []
+        # Run last: RNG drawn by other callbacks in a batch is then part of the saved state, and
+        # trainer.checkpoint_callback stays the user's ModelCheckpoint if there is one.
+        trainer.callbacks = [cb for cb in trainer.callbacks if cb is not self] + [self]
+        self.manager = CheckpointManager(self._resolve_dirpath(trainer), policy=self.policy, **self.config)
+        self._active = True
+        if self.save_on_exception and trainer.world_size > 1 and dist.is_initialized():
+            # lets the ranks agree after an exception, with a deadline (a gloo group honours its timeout)
+            timeout = datetime.timedelta(seconds=min(self.drain_timeout, AGREE_TIMEOUT))
+            self._exception_group = dist.new_group(backend="gloo", timeout=timeout)
+        internals.intercept_resume(trainer, self._load)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._resume is None:  # the first epoch's iterator is created after this, from this RNG state
+            self._iter_rng = torch.get_rng_state()
+        if self.save_on_exception:
+            self._hooks = [opt.register_step_pre_hook(self._on_optimizer_step) for opt in trainer.optimizers]
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_step = trainer.global_step
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            self._continue_epoch(trainer, resume)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.current_epoch > 0:  # this epoch's iterator is created right after this hook
+            self._iter_rng = torch.get_rng_state()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._undo_warning is not None:
+            self._undo_warning()
+            self._undo_warning = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._report_commits(trainer)
+        step = trainer.global_step
+        if step == self._last_step:  # accumulating gradients: not a step boundary
+            return
+        self._last_step = step
+        resumable = self._resumable(trainer)
+        if self.save_on_exception:
+            self._remember_safe_point(trainer, step if resumable else None)
+        if resumable and self._pending:  # a save asked for at an earlier batch, where a resume could not start
+            self._pending = False
+            self._save(trainer, step, lambda: self._snapshot(trainer, self._iter_rng))
+        elif resumable:
+            self._save(trainer, step, lambda: self._snapshot(trainer, self._iter_rng), if_due=True)
+        elif self.manager.should_save(step):
+            self._pending = True
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close(trainer)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            internals.release_resume(trainer)
+            self._close(trainer)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Drain (and with ``save_on_exception`` save) off the training thread, for at most ``drain_timeout``.
+
+        Other ranks may never reach this hook, so nothing here may wait for them without a deadline.
+        """
+        internals.release_resume(trainer)
+        self._remove_hooks()
+        if not self._active:
+            return
+        self._active = False
+        save = self.save_on_exception and not isinstance(exception, FTCheckpointError)
+        self._run_within(self.drain_timeout, lambda: self._drain_after(trainer, exception, save))
+
+    # -- resuming ------------------------------------------------------------------------------
+    def _resolve_dirpath(self, trainer: pl.Trainer) -> str:
+        dirpath = self.dirpath or CheckpointConfig.from_env(**self.config).dirpath
+        if dirpath is None:
+            dirpath = os.path.join(trainer.default_root_dir, DEFAULT_SUBDIR)
+            if trainer.is_global_zero:
+                log.info("FaultTolerantCheckpoint: no dirpath given; checkpoints go to %s", dirpath)
+        return dirpath
+
+    def _load(self, ckpt_path: Any) -> dict[str, Any] | None:
+        """Called by Lightning's restore: the checkpoint dict to resume from, or None."""
+        assert self.manager is not None
+        if ckpt_path:
+            if self.manager.rank == 0:
+                log.info("fit(ckpt_path=%r) was given: resuming from it, not from the newest checkpoint in %s",
+                         str(ckpt_path), self.manager.storage.url)
+            return None
+        state: dict[str, Any] = {"lightning": {}, "loader": {}}
+        step = self.manager.resume(state)
+        if step is None:
+            return None
+        self.resumed_from = step
+        loader = from_core(state["loader"])
+        self._resume = {"rng": rng_state() if self.manager.config.save_rng_state else None,
+                        "iter_rng": loader.get("iter_rng")}
+        return from_core(state["lightning"])
+
+    def _continue_epoch(self, trainer: pl.Trainer, resume: dict[str, Any]) -> None:
+        """Put the data where the interrupted epoch stopped, then the RNG where the saved step left it."""
+        self._iter_rng = resume["iter_rng"]
+        skip = internals.batches_done_in_epoch(trainer)
+        if 0 < skip < trainer.num_training_batches and not internals.loaders_restore_themselves(trainer):
+            if self._iter_rng is not None and internals.replay_epoch(trainer, self._iter_rng, skip):
+                self._undo_warning = internals.silence_midepoch_warning()
+            elif trainer.is_global_zero:
+                log.warning("cannot put this train dataloader back at batch %d of the epoch (it has no length, or "
+                            "training_step takes the iterator): the epoch restarts from its first batch. HINT: use "
+                            "a map-style dataset, or a loader with state_dict()/load_state_dict()", skip)
+        if resume["rng"] is not None:
+            set_rng_state(resume["rng"])
+        if trainer.is_global_zero:
+            log.info("FaultTolerantCheckpoint: continuing at step %d (epoch %d, after batch %d)",
+                     trainer.global_step, trainer.current_epoch, skip)
+
+    # -- saving --------------------------------------------------------------------------------
+    @staticmethod
+    def _resumable(trainer: pl.Trainer) -> bool:
+        """Whether a resume can start right after the current batch (the same answer on every rank)."""
+        return not (trainer.should_stop or internals.is_last_batch(trainer) or internals.validation_follows(trainer))
+
+    def _snapshot(self, trainer: pl.Trainer, iter_rng: torch.Tensor | None,
+                  loops: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The state to save: Lightning's checkpoint dict (translated) and the epoch iterator's RNG."""
+        checkpoint = internals.dump_checkpoint(trainer)
+        if loops is not None:
+            checkpoint["loops"] = loops
+        if isinstance(trainer.strategy, DDPStrategy) and trainer.world_size > 1:
+            checkpoint["state_dict"] = rank0_buffers(checkpoint["state_dict"], trainer.lightning_module)
+        return {"lightning": to_core(checkpoint),
+                "loader": {"iter_rng": encode_tensor(iter_rng)} if iter_rng is not None else {}}
+
+    def _save(self, trainer: pl.Trainer, step: int, snapshot: Callable[[], dict[str, Any]], *,
+              if_due: bool = False) -> None:
+        """Save ``snapshot()`` as ``step`` (with ``if_due``: only if the policy says so; the snapshot is then
+        taken only when it does). Logs the stall and the interval."""
+        assert self.manager is not None
+        t0 = time.perf_counter()
+        metadata = {"lightning_epoch": trainer.current_epoch, "batches_done": internals.batches_done_in_epoch(trainer)}
+        if if_due:
+            if not self.manager.maybe_save(step, _Lazy(snapshot), epoch=trainer.current_epoch, metadata=metadata):
+                return
+        else:
+            self.manager.save(step, snapshot(), epoch=trainer.current_epoch, metadata=metadata)
+        self.stalls.append(time.perf_counter() - t0)
+        assert self.manager.last_save is not None
+        self.saves.append(self.manager.last_save)
+        self._unreported.append(self.manager.last_save)
+        self._log(trainer, {k: v for k, v in self.manager.metrics().items() if k not in ("durable_s", "bytes")})
+
+    def _report_commits(self, trainer: pl.Trainer) -> None:
+        """Log time to durable and bytes of the saves that committed since the last call."""
+        done = [s for s in self._unreported if s.committed]
+        self._unreported = [s for s in self._unreported if not s.committed]
+        for stats in done:
+            self._log(trainer, {"durable_s": stats.duration, "bytes": stats.bytes, "saved_step": stats.step})
+
+    @staticmethod
+    def _log(trainer: pl.Trainer, metrics: dict[str, float | int | None]) -> None:
+        if not trainer.is_global_zero:
+            return
+        values = {PREFIX + k: float(v) for k, v in metrics.items() if v is not None}
+        for logger in trainer.loggers:
+            logger.log_metrics(values, step=trainer.global_step)
+
+    def _close(self, trainer: pl.Trainer) -> None:
+        """Drain the save in flight (its error, if any, is raised here) and release the writer."""
+        self._remove_hooks()
+        if self._active:
+            self._active = False
+            assert self.manager is not None
+            self.manager.close()
+            self._report_commits(trainer)
+
+    def _drain_after(self, trainer: pl.Trainer, exception: BaseException, save: bool) -> None:
+        assert self.manager is not None
+        try:
+            if save:
+                self._save_safe_point(trainer, exception)
+        except Exception:
+            log.exception("save_on_exception: the save failed; the last committed checkpoint is intact")
+        try:
+            self.manager.close(clean=False)
+        except Exception:
+            log.exception("the save in flight failed; the last committed checkpoint is intact")
+
+    @staticmethod
+    def _run_within(timeout: float, fn: Any) -> None:
+        """Run ``fn`` on a helper thread; stop waiting for it after ``timeout`` s (a peer rank may be gone)."""
+        worker = threading.Thread(target=fn, name="lightning-ft-drain", daemon=True)
+        worker.start()
+        worker.join(timeout)
+        if worker.is_alive():
+            log.warning("the checkpoint save in flight did not commit within %.0f s after the exception; giving "
+                        "up on it. The last committed checkpoint is intact", timeout)
+
+    # -- save on exception ---------------------------------------------------------------------
+    def _on_optimizer_step(self, *_: Any) -> None:
+        self._stepped_since_safe = True
+
+    def _remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def _remember_safe_point(self, trainer: pl.Trainer, step: int | None) -> None:
+        self._stepped_since_safe = False
+        self._safe_point = None if step is None else _SafePoint(
+            step=step, loops=copy.deepcopy(internals.loops_state(trainer)), rng=rng_state(), iter_rng=self._iter_rng)
+
+    def _save_safe_point(self, trainer: pl.Trainer, exception: BaseException) -> None:
+        safe, why = self._safe_point, type(exception).__name__
+        step = self._agree(safe.step if safe is not None and not self._stepped_since_safe else None)
+        if step is None or safe is None:
+            log.warning("save_on_exception: not saving after the %s: it came inside an optimizer step, at a batch a "
+                        "resume cannot start after, or not on every rank at the same step; the last committed "
+                        "checkpoint stays the newest", why)
+            return
+        if any(s.step == step for s in self.saves):
+            return  # saved already
+        set_rng_state(safe.rng)  # the manager saves the RNG as of the call
+        self._save(trainer, step, lambda: self._snapshot(trainer, safe.iter_rng, loops=safe.loops))
+        if trainer.is_global_zero:
+            log.info("save_on_exception: saving step %d after the %s", step, why)
+
+    def _agree(self, step: int | None) -> int | None:
+        """``step`` if every rank can save that same step, else None. Under DDP, waits :data:`AGREE_TIMEOUT` at most."""
+        if self._exception_group is None:
+            return step
+        steps: list[Any] = [None] * dist.get_world_size(self._exception_group)
+        try:
+            dist.all_gather_object(steps, step, group=self._exception_group)
+        except RuntimeError as e:
+            log.warning("save_on_exception: not every rank reached the exception within %.0f s (%s)",
+                        min(self.drain_timeout, AGREE_TIMEOUT), e)
+            return None
+        return step if len(set(steps)) == 1 else None

@@ -1,0 +1,148 @@
+"""A small Lightning model and data that make exact resume hard: dropout, BatchNorm, every RNG, shuffling.
+
+``training_step`` draws from the torch, Python and NumPy RNGs, so a resume that restores any of them
+wrongly changes the weights; it records which samples each batch held, so tests can compare data order.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+
+class IndexedData(Dataset):
+    """``n`` fixed random samples; each item also carries its index."""
+
+    def __init__(self, n: int = 96, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = self.x[:, :1] * 0.5 + 0.1 * torch.randn(n, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[i], self.y[i], i
+
+
+class Net(pl.LightningModule):
+    """MLP with BatchNorm and dropout; AdamW and a step-interval StepLR."""
+
+    def __init__(self, lr: float = 0.05, batch_norm: bool = True) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32) if batch_norm else nn.Identity(), nn.ReLU(),
+                                 nn.Dropout(0.3), nn.Linear(32, 1))
+        self.seen: list[tuple[int, int, list[int]]] = []
+        self.kill: Any = None
+        """Called as ``kill(trainer)`` after every batch, after all callbacks (tests use it to crash)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, idx = batch
+        self.seen.append((self.current_epoch, batch_idx, idx.tolist()))
+        noise = (torch.rand(1).item() + random.random() + float(np.random.rand())) * 1e-3
+        loss = nn.functional.mse_loss(self.net(x), y) + noise
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y, _ = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
+
+    def on_train_epoch_end(self) -> None:
+        if self.trainer.datamodule is not None:
+            self.trainer.datamodule.train_epochs += 1
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.kill is not None:
+            self.kill(self.trainer)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Data(pl.LightningDataModule):
+    """Shuffled train loader, fixed val loader; counts its own epochs as datamodule state."""
+
+    def __init__(self, batch_size: int = 8, num_workers: int = 0) -> None:
+        super().__init__()
+        self.batch_size, self.num_workers = batch_size, num_workers
+        self.train_epochs = 0
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(IndexedData(96), batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(IndexedData(32, seed=1), batch_size=16)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"train_epochs": self.train_epochs}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.train_epochs = state["train_epochs"]
+
+
+def trainer(callbacks: list[Any], **kw: Any) -> pl.Trainer:
+    """A quiet CPU trainer; ``kw`` overrides the defaults."""
+    args: dict[str, Any] = dict(max_epochs=3, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                                enable_model_summary=False, num_sanity_val_steps=0, deterministic=True,
+                                val_check_interval=0.5)
+    args.update(kw)
+    return pl.Trainer(callbacks=callbacks, **args)
+
+
+def final_state(model: pl.LightningModule, trainer: pl.Trainer) -> dict[str, Any]:
+    """Everything a resume must get exactly right, in a form torch.save and torch.equal handle."""
+    return {"model": {k: v.clone() for k, v in model.state_dict().items()},
+            "optimizer": trainer.optimizers[0].state_dict(),
+            "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
+            "global_step": trainer.global_step, "epoch": trainer.current_epoch}
+
+
+def assert_same(a: Any, b: Any, path: str = "") -> None:
+    """Bit-exact equality of nested dicts/lists of tensors and plain values."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"{path} differs"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{path}: keys {sorted(a)} != {sorted(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{path}: {a} != {b}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}/{i}")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+class Crash(Exception):
+    """Raised inside training by a test, to interrupt a fit in-process."""
+
+
+def fit(callbacks: list[Any], *, crash_at: int | None = None, ckpt_path: str | None = None,
+        **trainer_kw: Any) -> tuple[Net, Data, pl.Trainer, bool]:
+    """Seed, build a fresh model and data, fit in this process; ``crash_at`` raises Crash after that step.
+
+    Returns ``(model, data, trainer, crashed)``.
+    """
+    pl.seed_everything(0, verbose=False)
+    model, data = Net(), Data()
+    if crash_at is not None:
+        def kill(t: pl.Trainer) -> None:
+            if t.global_step == crash_at:
+                raise Crash(f"crash after step {crash_at}")
+        model.kill = kill
+    t = trainer(callbacks, **trainer_kw)
+    try:
+        t.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    except Crash:
+        return model, data, t, True
+    return model, data, t, False

@@ -1,0 +1,141 @@
+"""Every private Lightning (and DataLoader) API lightning_ft uses, checked against the installed release.
+
+If one of these fails after a Lightning upgrade, lightning_ft/_lightning_internals.py needs updating
+for that release (and pyproject's lightning pin with it) before the callback can be trusted there.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import lightning
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loops import training_epoch_loop
+
+from lightning_ft import _lightning_internals as internals
+from tests.lightning.models import fit
+
+HINT = (f"lightning {lightning.__version__} changed a private API that lightning_ft/_lightning_internals.py "
+        "relies on: update that module for it")
+
+
+def test_installed_lightning_is_in_the_tested_range():
+    assert internals.check_version(), f"lightning {lightning.__version__} is outside {internals.TESTED}"
+    with pytest.warns(UserWarning, match="outside the range"):
+        assert not internals.check_version("2.99.0")
+
+
+def test_private_names_exist():
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+    from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
+
+    for name in ("dump_checkpoint", "_get_loops_state_dict", "resume_start"):
+        assert callable(getattr(_CheckpointConnector, name, None)), f"{HINT}: _CheckpointConnector.{name}"
+    params = list(inspect.signature(_CheckpointConnector.resume_start).parameters)
+    assert params[:2] == ["self", "checkpoint_path"], f"{HINT}: resume_start{params}"
+    assert "self._loaded_checkpoint" in inspect.getsource(_CheckpointConnector.restore_model), HINT
+    assert "_should_check_val_fx" in vars(training_epoch_loop._TrainingEpochLoop), HINT
+    assert callable(getattr(_SingleProcessDataLoaderIter, "_next_index", None)) and hasattr(_DatasetKind, "Map"), HINT
+    assert internals.LIGHTNING_MIDEPOCH_WARNING in inspect.getsource(training_epoch_loop), \
+        f"{HINT}: the mid-epoch resume warning changed"
+
+
+class Probe(pl.Callback):
+    """Checks the position helpers at every batch against what Lightning then does."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, int, bool, bool, int]] = []
+        self.validated_after: list[tuple[int, int]] = []
+        self.checkpoint: dict | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.rows.append((trainer.current_epoch, batch_idx, internals.is_last_batch(trainer),
+                          internals.validation_follows(trainer), internals.batches_done_in_epoch(trainer)))
+        if trainer.global_step == 5:
+            dumped = internals.dump_checkpoint(trainer)
+            assert dumped["loops"] == internals.loops_state(trainer), HINT
+            self.checkpoint = {k: v for k, v in dumped.items()}
+            self.checkpoint["state_dict"] = {k: v.clone() for k, v in dumped["state_dict"].items()}
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self.validated_after.append(self.rows[-1][:2])
+
+
+def test_position_helpers_match_what_lightning_does():
+    probe = Probe()
+    fit([probe], max_epochs=2, val_check_interval=5, enable_checkpointing=False)
+    batches = 12
+    for epoch, idx, last, follows, done in probe.rows:
+        assert done == idx + 1, f"{HINT}: batch_progress.current.ready"
+        assert last == (idx == batches - 1), f"{HINT}: is_last_batch at {(epoch, idx)}"
+        assert follows == ((epoch, idx) in probe.validated_after), f"{HINT}: validation_follows at {(epoch, idx)}"
+    assert probe.validated_after == [(0, 4), (0, 9), (1, 4), (1, 9)]
+    assert {"state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks", "global_step"} <= set(
+        probe.checkpoint), f"{HINT}: dump_checkpoint keys {sorted(probe.checkpoint)}"
+
+
+class Restore(pl.Callback):
+    def __init__(self, checkpoint: dict | None) -> None:
+        self.checkpoint, self.seen_path, self.step = checkpoint, "unset", None
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        def load(path):
+            self.seen_path = path
+            return self.checkpoint
+
+        internals.intercept_resume(trainer, load)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.step = trainer.global_step
+        assert "resume_start" not in vars(trainer._checkpoint_connector), "intercept_resume must act once"
+
+
+def test_intercept_resume_restores_from_a_dict():
+    probe = Probe()
+    fit([probe], max_steps=6, enable_checkpointing=False)
+    restore = Restore(probe.checkpoint)
+    model, _, _, _ = fit([restore], max_steps=7, enable_checkpointing=False)
+    assert restore.seen_path is None and restore.step == 5, f"{HINT}: resume_start / _loaded_checkpoint"
+    assert internals.train_loaders(model.trainer) and not internals.loaders_restore_themselves(model.trainer)
+
+
+class Replay(pl.Callback):
+    """In epoch 1 after batch 4, rebuild the epoch's iterator and skip 5 batches: nothing may change."""
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self.iterator_rng = torch.get_rng_state()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if (trainer.current_epoch, batch_idx) == (1, 4):
+            rng = torch.get_rng_state()
+            assert internals.replay_epoch(trainer, self.iterator_rng, skip=5), HINT
+            torch.set_rng_state(rng)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_replay_epoch_recreates_the_same_batches(num_workers):
+    from tests.lightning.models import Data
+
+    def run(callbacks):
+        pl.seed_everything(0, verbose=False)
+        from tests.lightning.models import Net, trainer as make_trainer
+        model = Net()
+        make_trainer(callbacks, max_epochs=2, limit_val_batches=0, enable_checkpointing=False).fit(
+            model, datamodule=Data(num_workers=num_workers))
+        return model.seen
+
+    assert run([Replay()]) == run([]), f"{HINT}: replay_epoch (fit_loop._data_fetcher, _combined_loader)"
+
+
+def test_silence_midepoch_warning_is_scoped():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        undo = internals.silence_midepoch_warning()
+        warnings.warn(internals.LIGHTNING_MIDEPOCH_WARNING + " and ...", UserWarning)
+        assert not caught
+        undo()
+        warnings.warn(internals.LIGHTNING_MIDEPOCH_WARNING + " and ...", UserWarning)
+    assert len(caught) == 1

@@ -1,0 +1,150 @@
+"""Acceptance 3-5 and the rest of the callback's behaviour, with real Trainers in this process.
+
+A "crash" here is an exception raised inside training (the SIGKILL tests are in test_kill_resume.py);
+each resume is a new Trainer, model and datamodule, as after a restart.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+from ft_checkpoint import ConfigError, layout
+from lightning_ft import FaultTolerantCheckpoint
+from tests.lightning.models import assert_same, final_state, fit
+
+
+def ft(dirpath, **kw) -> FaultTolerantCheckpoint:
+    kw.setdefault("interval", 4)
+    return FaultTolerantCheckpoint(str(dirpath), **kw)
+
+
+class RecordStart(pl.Callback):
+    """Remembers the global step at which training (re)started."""
+
+    step: int | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.step = trainer.global_step
+
+
+class CrashAtBatchStart(pl.Callback):
+    """Raises at the start of the batch after ``step``: inside a step, before its optimizer update."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("training failed")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run (interval 4, 3 epochs, validation twice per epoch)."""
+    model, data, trainer, _ = fit([ft(tmp_path_factory.mktemp("ref") / "ckpt")])
+    return final_state(model, trainer), data.train_epochs
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path, caplog, reference):
+    _, _, _, crashed = fit([ft(tmp_path / "ckpt")], crash_at=22)
+    assert crashed
+    newest = tmp_path / "ckpt" / layout.step_dir(20)
+    shard = newest / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+    cb = ft(tmp_path / "ckpt")
+    with caplog.at_level(logging.WARNING):
+        model, data_module, trainer, _ = fit([cb])
+    assert cb.resumed_from == 16
+    assert any(r.levelno == logging.WARNING and "skipping step 20" in r.getMessage() for r in caplog.records), \
+        caplog.text
+    assert_same(reference[0], final_state(model, trainer))
+    assert data_module.train_epochs == reference[1]
+
+
+def test_explicit_ckpt_path_wins(tmp_path, caplog):
+    mc = ModelCheckpoint(dirpath=tmp_path / "mc", every_n_train_steps=3, save_top_k=-1)
+    fit([ft(tmp_path / "ckpt"), mc], crash_at=9)
+    path = str(tmp_path / "mc" / "epoch=0-step=3.ckpt")
+    assert os.path.exists(path), os.listdir(tmp_path / "mc")
+
+    cb, start = ft(tmp_path / "ckpt"), RecordStart()
+    with caplog.at_level(logging.INFO, logger="lightning_ft"):
+        _, _, trainer, _ = fit([cb, start], ckpt_path=path, max_steps=5)
+    assert start.step == 3 and cb.resumed_from is None and trainer.ckpt_path == path
+    lines = [r.getMessage() for r in caplog.records if "was given" in r.getMessage()]
+    assert len(lines) == 1 and path in lines[0], caplog.text
+
+
+def test_early_stopping_model_checkpoint_and_lr_scheduler_continue_exactly(tmp_path):
+    def callbacks(run: str) -> list[pl.Callback]:
+        return [EarlyStopping(monitor="val_loss", patience=3),
+                ModelCheckpoint(dirpath=tmp_path / run / "mc", monitor="val_loss", save_top_k=2),
+                ft(tmp_path / run / "ckpt")]
+
+    ref_cbs = callbacks("ref")
+    ref_model, _, ref_trainer, _ = fit(ref_cbs, max_epochs=8)
+    assert ref_cbs[0].stopped_epoch == 1 and ref_trainer.global_step == 24  # stopped early, by its wait count
+
+    fit(callbacks("run"), max_epochs=8, crash_at=21)  # after the validation at step 18 (wait count 2)
+    cbs = callbacks("run")
+    model, _, trainer, _ = fit(cbs, max_epochs=8)
+    assert cbs[2].resumed_from == 20
+    assert_same(ref_cbs[0].state_dict(), cbs[0].state_dict())
+    assert_same(final_state(ref_model, ref_trainer), final_state(model, trainer))  # weights, optimizer, scheduler
+    scores = {os.path.basename(p): float(s) for p, s in ref_cbs[1].best_k_models.items()}
+    assert scores == {os.path.basename(p): float(s) for p, s in cbs[1].best_k_models.items()}
+    assert trainer.checkpoint_callback is cbs[1]  # the callback runs last; ModelCheckpoint stays Lightning's
+
+
+def test_save_on_exception_saves_the_last_completed_step(tmp_path, reference):
+    with pytest.raises(RuntimeError, match="training failed"):
+        fit([ft(tmp_path / "ckpt", save_on_exception=True), CrashAtBatchStart(10)])
+    cb = ft(tmp_path / "ckpt")
+    model, _, trainer, _ = fit([cb])
+    assert cb.resumed_from == 10  # not a multiple of the interval: saved on the exception
+    assert_same(reference[0], final_state(model, trainer))
+
+
+def test_save_on_exception_skips_a_point_resume_cannot_start_from(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING), pytest.raises(RuntimeError):
+        fit([ft(tmp_path / "ckpt", save_on_exception=True), CrashAtBatchStart(6)])  # validation follows step 6
+    assert "save_on_exception: not saving" in caplog.text
+    cb = ft(tmp_path / "ckpt")
+    fit([cb], max_steps=5)
+    assert cb.resumed_from == 4
+
+
+def test_metrics_reach_the_trainer_logger(tmp_path):
+    logger = CSVLogger(tmp_path / "logs", name="run")
+    fit([ft(tmp_path / "ckpt")], logger=logger, max_steps=10, log_every_n_steps=1)
+    with open(os.path.join(logger.log_dir, "metrics.csv")) as f:
+        rows = list(csv.DictReader(f))
+    columns = set(rows[0])
+    for name in ("stall_s", "durable_s", "bytes", "interval_steps", "saved_step"):
+        assert f"ft_checkpoint/{name}" in columns, columns
+    durable = [float(r["ft_checkpoint/durable_s"]) for r in rows if r.get("ft_checkpoint/durable_s")]
+    assert len(durable) == 2 and all(d > 0 for d in durable)  # steps 4 and 8, each reported once
+
+
+def test_default_dirpath_is_under_default_root_dir(tmp_path):
+    cb = FaultTolerantCheckpoint(interval=4)
+    fit([cb], max_steps=5, default_root_dir=str(tmp_path))
+    assert cb.manager is not None and cb.manager.storage.url.rstrip("/").endswith("ft_checkpoints")
+    assert (tmp_path / "ft_checkpoints" / layout.step_dir(4) / layout.MANIFEST).exists()
+
+
+def test_bad_config_fails_at_construction():
+    with pytest.raises(ConfigError, match="keep_lst"):
+        FaultTolerantCheckpoint("/tmp/x", keep_lst=2)
+    with pytest.raises(ConfigError, match="keep_last"):
+        FaultTolerantCheckpoint("/tmp/x", keep_last=0)

@@ -1,0 +1,102 @@
+"""Train ``models.Net`` with FaultTolerantCheckpoint in a real process; optionally SIGKILL the job on the way.
+
+    python tests/lightning/train_script.py DIRPATH OUT [--devices 2] [--kill-at STEP --kill-how HOW] ...
+
+``--kill-how``: ``batch_end`` (after the batch of step STEP, after every callback, so a save the policy
+started at STEP is in flight), or ``writing`` (when the writer of the save of step STEP has written the
+data but not the manifest). The kill is a SIGKILL of the whole process group: every rank dies at once,
+as on a lost node. Run it with ``start_new_session=True``. ``--sigterm-at STEP`` sends SIGTERM instead
+(a preemption notice; Lightning turns it into an exception, and the job exits). With ``--devices 2`` Lightning's DDP
+launcher starts rank 1 by running this script again (hence the ``__main__`` guard).
+
+Rank 0 writes ``OUT/final.pt`` (``models.final_state``) at the end and every rank appends a line to
+``OUT/runs.jsonl`` when training starts: ``{"rank", "resumed_from", "global_step"}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+
+from lightning_ft import FaultTolerantCheckpoint  # noqa: E402
+from tests.lightning.models import Data, Net, final_state, trainer  # noqa: E402
+
+
+def kill_job() -> None:
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+class Record(pl.Callback):
+    """Writes what each rank resumed from, and rank 0's final state."""
+
+    def __init__(self, out: str, ft: FaultTolerantCheckpoint | None) -> None:
+        self.out, self.ft = out, ft
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        line = {"rank": trainer.global_rank, "global_step": trainer.global_step,
+                "resumed_from": self.ft.resumed_from if self.ft else None}
+        with open(os.path.join(self.out, "runs.jsonl"), "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            torch.save(final_state(pl_module, trainer), os.path.join(self.out, "final.pt"))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("dirpath")
+    p.add_argument("out")
+    p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--interval", type=int, default=4)
+    p.add_argument("--kill-at", type=int, default=None)
+    p.add_argument("--kill-how", choices=["batch_end", "writing"], default="batch_end")
+    p.add_argument("--sigterm-at", type=int, default=None, help="SIGTERM the job after this step")
+    p.add_argument("--save-on-exception", action="store_true")
+    p.add_argument("--storage-options", default="{}", help="JSON")
+    p.add_argument("--no-callback", action="store_true", help="train without FaultTolerantCheckpoint")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+
+    pl.seed_everything(0, verbose=False)
+    model, data = Net(), Data()
+    ft = None if args.no_callback else FaultTolerantCheckpoint(
+        args.dirpath, interval=args.interval, keep_last=3, storage_options=json.loads(args.storage_options),
+        save_on_exception=args.save_on_exception)
+    callbacks: list[pl.Callback] = [Record(args.out, ft)] + ([ft] if ft else [])
+    extra = {"strategy": "ddp", "devices": args.devices} if args.devices > 1 else {}
+    t = trainer(callbacks, max_epochs=args.epochs, enable_checkpointing=ft is not None, **extra)
+
+    if args.kill_at is not None and args.kill_how == "batch_end":
+        def kill(tr: pl.Trainer) -> None:
+            if tr.global_step == args.kill_at and tr.is_global_zero:
+                kill_job()
+        model.kill = kill
+    if args.sigterm_at is not None:
+        def term(tr: pl.Trainer) -> None:
+            if tr.global_step == args.sigterm_at and tr.is_global_zero:
+                os.killpg(os.getpgid(0), signal.SIGTERM)
+        model.kill = term
+    if args.kill_at is not None and args.kill_how == "writing":
+        class ArmWriterKill(pl.Callback):
+            def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+                def hook(phase: str, step: int) -> None:
+                    if phase == "data_written" and step == args.kill_at:
+                        kill_job()
+                if trainer.is_global_zero:
+                    ft.manager.engine.phase_hook = hook
+        t.callbacks.insert(0, ArmWriterKill())
+    t.fit(model, datamodule=data)
+
+
+if __name__ == "__main__":
+    main()
