@@ -166,14 +166,19 @@ def _writer(storage: Storage, url: str) -> FsspecWriter:
 class _SafeReader(FsspecReader):
     """DCP's fsspec reader with ``.metadata`` read by :class:`_SafeUnpickler`."""
 
+    storage: Storage
+    step_dir: str
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
-            try:
-                metadata = _SafeUnpickler(f).load()
-            except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
-                if isinstance(e, CheckpointCorruptError):
-                    raise
-                raise CheckpointCorruptError(f".metadata cannot be read ({type(e).__name__}: {e})") from e
+        rank = kwargs.get("rank")
+        name = ".metadata" if rank is None else f"__{rank}.metadata"
+        data = self.storage.read_bytes(f"{self.step_dir}/{name}")  # retried on transient errors
+        try:
+            metadata = _SafeUnpickler(io.BytesIO(data)).load()
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
+            if isinstance(e, CheckpointCorruptError):
+                raise
+            raise CheckpointCorruptError(f".metadata cannot be read ({type(e).__name__}: {e})") from e
         if not isinstance(metadata, Metadata):
             raise CheckpointCorruptError(f".metadata holds a {type(metadata).__name__}, not DCP metadata")
         if getattr(metadata, "storage_meta", None) is not None:
@@ -407,6 +412,7 @@ class CheckpointEngine:
     def _reader(self, step: int) -> _SafeReader:
         reader = _SafeReader(self.storage.url_of(layout.step_dir(step)), **self.storage.storage_options)
         reader.fs = _StorageAdapter(self.storage)
+        reader.storage, reader.step_dir = self.storage, layout.step_dir(step)
         return reader
 
     def _read_rank_file(self, step: int) -> dict[str, Any]:
