@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from ft_checkpoint import __version__
 from ft_checkpoint.config import parse_duration
 from ft_checkpoint.errors import FTCheckpointError
+from ft_checkpoint.layout import human_bytes
 
 if TYPE_CHECKING:
     from ft_checkpoint.storage import Storage
@@ -135,15 +136,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 # -- checkpoint directories ----------------------------------------------------------------------
-def human_bytes(n: float) -> str:
-    """``8400000`` -> ``'8.4 MB'`` (decimal units)."""
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
-        n /= 1000
-    return f"{n} B"
-
-
 def plural(n: int, word: str, many: str | None = None) -> str:
     """``plural(1, "failure")`` -> ``'1 failure'``; ``plural(2, "failure")`` -> ``'2 failures'``."""
     return f"{n} {word}" if n == 1 else f"{n} {many or word + 's'}"

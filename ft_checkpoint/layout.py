@@ -58,6 +58,20 @@ def rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
 
 
+def human_bytes(n: float) -> str:
+    """A size for people, in decimal units.
+
+    Example:
+        >>> human_bytes(8_400_000), human_bytes(512)
+        ('8.4 MB', '512 B')
+    """
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
 def checksum(chunks: Iterable[bytes]) -> str:
     """``"sha256:<hex>"`` of the concatenated chunks."""
     h = hashlib.new(CHECKSUM_ALGO)

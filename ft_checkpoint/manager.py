@@ -55,14 +55,6 @@ def _find(policy: Any, kind: type) -> Any:
     return None
 
 
-def _human_bytes(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1000
-    return f"{n} B"
-
-
 class CheckpointManager:
     """Asynchronous, fault-tolerant checkpoints of a training loop in one directory.
 
@@ -198,7 +190,7 @@ class CheckpointManager:
         self.journal.record("commit", step=stats.step, stall=stats.stall, waited=stats.waited,
                             duration=stats.duration, bytes=stats.bytes)
         log.info("committed step %d to %s: %s, stall %.3f s, durable after %.2f s", stats.step,
-                 self.storage.url, _human_bytes(stats.bytes or 0), stats.stall, stats.duration or 0.0)
+                 self.storage.url, layout.human_bytes(stats.bytes or 0), stats.stall, stats.duration or 0.0)
         self.engine.phase("retention", stats.step)
         try:  # the step is committed: a failed clean-up must not make the save look failed
             apply_retention(self.storage, keep_last=self.config.keep_last,
@@ -253,7 +245,7 @@ class CheckpointManager:
         self.journal.record("resume", step=manifest.step, seconds=seconds, bytes=manifest.total_bytes)
         if self.rank == 0:
             log.info("resuming from step %d (%s): %s verified and loaded in %.1f s", manifest.step,
-                     self.storage.url_of(layout.step_dir(manifest.step)), _human_bytes(manifest.total_bytes), seconds)
+                     self.storage.url_of(layout.step_dir(manifest.step)), layout.human_bytes(manifest.total_bytes), seconds)
         return manifest.step
 
     def _find_loadable(self) -> tuple[Any, Any]:
