@@ -2,18 +2,27 @@
 
     python examples/lightning_resume.py
 
-The script starts the training as a child process (this same file with ``--child``). The training uses
+The script starts the training as a child process (this same file with ``--train``). The training uses
 ``FaultTolerantCheckpoint()`` with its default local dirpath (``<default_root_dir>/ft_checkpoints``;
 the child runs in a fresh working directory) and saves every 10 steps in the background. Partway
 through, the parent kills the child with SIGKILL, like a lost node or an OOM kill, then starts it again
 with the very same command: ``trainer.fit`` finds the newest verified checkpoint by itself and continues
 from it. At the end it prints the step it resumed from, how many steps were computed twice, and the
 mean training stall per save next to what a synchronous ``torch.save`` of the same state takes.
+
+    python examples/lightning_resume.py --train [--steps N]
+
+runs only the training job, in the current directory (checkpoints in ``./ft_checkpoints``), started
+afresh or resumed from the newest checkpoint there; it prints one JSON event per line and ends with
+``{"event": "done", ...}``, which carries the step it resumed from and the SHA-256 of the final model
+weights, so that an interrupted and an uninterrupted run can be compared bit for bit. This is what
+``examples/slurm/train.sbatch`` runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -25,13 +34,14 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # run from a checkout without installing
 
 
-def child(steps: int) -> None:
+def train(steps: int) -> None:
     """The training job: a small MLP regression, 5 epochs of ``steps / 5`` batches."""
     import lightning.pytorch as pl
     import torch
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
+    from ft_checkpoint.errors import Preempted
     from lightning_ft import FaultTolerantCheckpoint
 
     class Model(pl.LightningModule):
@@ -69,19 +79,34 @@ def child(steps: int) -> None:
     ft = FaultTolerantCheckpoint(interval=10)  # the default dirpath: ./ft_checkpoints here
     trainer = pl.Trainer(max_epochs=5, accelerator="cpu", callbacks=[ft], logger=False, enable_progress_bar=False,
                          enable_model_summary=False)
-    trainer.fit(Model(), data)
+    model = Model()
+    try:
+        trainer.fit(model, data)
+    except Preempted as stop:  # SIGTERM/SIGUSR1: the final save is committed (a Slurm job is requeued)
+        emit(event="preempted", step=stop.step, reason=stop.reason, exit_code=stop.code)
+        raise  # a SystemExit: the process exits with stop.code
 
     seconds = []
     for _ in range(3):  # Lightning's synchronous torch.save of the same state; the median of 3
         t0 = time.perf_counter()
         trainer.save_checkpoint("sync_save.ckpt")
         seconds.append(time.perf_counter() - t0)
-    emit(event="done", step=trainer.global_step, sync_save=sorted(seconds)[1])
+    emit(event="done", step=trainer.global_step, resumed_from=ft.resumed_from, weights_sha256=weights_sha256(model),
+         sync_save=sorted(seconds)[1])
 
 
-def run_child(workdir: str, steps: int, kill_after: int | None) -> list[dict]:
+def weights_sha256(model) -> str:
+    """SHA-256 of every parameter and buffer, in ``state_dict`` order: equal only if bit for bit equal."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def run_train(workdir: str, steps: int, kill_after: int | None) -> list[dict]:
     """Run the training once; SIGKILL it once it reported ``kill_after`` steps. Returns what it reported."""
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", "--steps", str(steps)],
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--train", "--steps", str(steps)],
                             cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))})
     events = []
@@ -94,7 +119,7 @@ def run_child(workdir: str, steps: int, kill_after: int | None) -> list[dict]:
     proc.wait()
     expected = -signal.SIGKILL if kill_after is not None else 0
     if proc.returncode != expected:
-        raise SystemExit(f"the training exited with {proc.returncode}; run it with --child to see its output")
+        raise SystemExit(f"the training exited with {proc.returncode}; run it with --train to see its output")
     return events
 
 
@@ -103,16 +128,17 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=150, help="training steps in all (5 epochs)")
     p.add_argument("--kill-after", type=int, default=67, help="SIGKILL the training after this step")
     p.add_argument("--workdir", default=None, help="where the run lives (default: a new temporary directory)")
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--train", action="store_true",
+                   help="only run the training job, in the current directory (what a Slurm job runs)")
     args = p.parse_args()
-    if args.child:
-        child(args.steps)
+    if args.train:
+        train(args.steps)
         return
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="ft-lightning-")
     t0 = time.perf_counter()
-    first = run_child(workdir, args.steps, args.kill_after)
-    second = run_child(workdir, args.steps, None)
+    first = run_train(workdir, args.steps, args.kill_after)
+    second = run_train(workdir, args.steps, None)
     elapsed = time.perf_counter() - t0
 
     killed_at = max(e["step"] for e in first if e["event"] == "step")

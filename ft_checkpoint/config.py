@@ -110,6 +110,23 @@ class CheckpointConfig:
     """A save that fails in the background: ``"raise"`` it at the next save/wait/close, or ``"warn"``
     loudly and keep training (the last committed step stays the resume point)."""
 
+    preemption_signals: tuple[str, ...] | list[str] | str = ("SIGTERM", "SIGUSR1")
+    """Signals that announce a preemption (``()`` watches none). Their handlers only set a flag; at the
+    next step boundary every rank makes a final synchronous save, then the process exits (see
+    ``preemption_exit_code``). Handlers installed before (yours, the framework's) still run."""
+
+    requeue: bool | None = None
+    """On Slurm, ``scontrol requeue`` the job after the final save of a preemption. None: only if the
+    job can be requeued (``sbatch --requeue``)."""
+
+    end_time_margin: float | str | datetime.timedelta = "3m"
+    """On Slurm, make the final save this long before the job's time limit (or twice the time a save
+    takes to become durable, if longer), even if no signal comes."""
+
+    preemption_exit_code: int = 0
+    """Exit code after a preemption's final save (``ft_checkpoint.Preempted`` is a ``SystemExit``).
+    Non-zero for launchers that only restart failed workers (Kubernetes ``restartPolicy: ExitCode``)."""
+
     def __post_init__(self) -> None:
         if self.dirpath is not None and (not isinstance(self.dirpath, str) or not self.dirpath.strip()):
             _bad("dirpath", self.dirpath, "a non-empty local path or fsspec URL such as 'gs://bucket/run'")
@@ -140,6 +157,13 @@ class CheckpointConfig:
         _check_int("retries", self.retries, minimum=1)
         if self.on_save_error not in ("raise", "warn"):
             _bad("on_save_error", self.on_save_error, "'raise' or 'warn'")
+        object.__setattr__(self, "preemption_signals", _normalize_signals(self.preemption_signals))
+        if self.requeue is not None and not isinstance(self.requeue, bool):
+            _bad("requeue", self.requeue, "True, False or None (requeue if the Slurm job allows it)")
+        _check_duration("end_time_margin", self.end_time_margin)
+        if not isinstance(self.preemption_exit_code, int) or isinstance(self.preemption_exit_code, bool) \
+                or not 0 <= self.preemption_exit_code <= 255:
+            _bad("preemption_exit_code", self.preemption_exit_code, "an integer from 0 to 255")
 
     def replace(self, **changes: Any) -> CheckpointConfig:
         """A copy with ``changes`` applied (validated)."""
@@ -217,12 +241,24 @@ def _normalize_interval(value: Any) -> int | datetime.timedelta | str:
     return datetime.timedelta(seconds=seconds)
 
 
+def _normalize_signals(value: Any) -> tuple[str, ...]:
+    from ft_checkpoint.preemption import parse_signal
+
+    if isinstance(value, str):
+        value = [] if value.strip().lower() in ("", "none") else value.split(",")
+    if not isinstance(value, (list, tuple)):
+        _bad("preemption_signals", value, "a list of signal names such as ['SIGTERM', 'SIGUSR1'], or []")
+    return tuple(parse_signal(v).name for v in value)
+
+
 def _parse_env_value(field: str, text: str) -> Any:
-    if field in ("async_save", "save_rng_state", "verify_checksums", "force_takeover"):
+    if field == "requeue" and text.strip().lower() in ("", "none", "auto"):
+        return None
+    if field in ("async_save", "save_rng_state", "verify_checksums", "force_takeover", "requeue"):
         if text.strip().lower() in _TRUE | _FALSE:
             return text.strip().lower() in _TRUE
         _bad(field, text, "one of 1/0, true/false, yes/no, on/off")
-    if field in ("keep_last", "retries", "keep_every_n_steps"):
+    if field in ("keep_last", "retries", "keep_every_n_steps", "preemption_exit_code"):
         if field == "keep_every_n_steps" and text.strip().lower() in ("", "none"):
             return None
         try:

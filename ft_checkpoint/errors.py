@@ -46,3 +46,23 @@ class SaveError(FTCheckpointError, RuntimeError):
 
 class LeaseError(FTCheckpointError, RuntimeError):
     """Another job holds the checkpoint directory's lease; the message names it and what to do."""
+
+
+class Preempted(SystemExit):
+    """Raised at a step boundary after the final save of an announced preemption committed.
+
+    A ``SystemExit``: uncaught, the process exits with ``code`` (``preemption_exit_code``, 0 by default)
+    once the framework has torn down. Catch it to run something else first.
+
+    Example:
+        >>> e = Preempted(step=120, reason="SIGUSR1")
+        >>> e.code, e.step, e.reason
+        (0, 120, 'SIGUSR1')
+    """
+
+    def __init__(self, step: int | None, reason: str, code: int = 0) -> None:
+        super().__init__(code)
+        self.step = step
+        """The step of the final checkpoint (None if none committed)."""
+        self.reason = reason
+        """What announced the preemption: a signal name, or ``"job end time"``."""

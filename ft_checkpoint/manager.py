@@ -25,7 +25,7 @@ from ft_checkpoint import layout
 from ft_checkpoint.config import CheckpointConfig, parse_duration
 from ft_checkpoint.dist import Groups
 from ft_checkpoint.engine import CheckpointEngine, SaveStats
-from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, SaveError, StorageError
+from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, Preempted, SaveError, StorageError
 from ft_checkpoint.failures import count_failures
 from ft_checkpoint.journal import Journal, attempt_summaries
 from ft_checkpoint.lease import Lease
@@ -37,8 +37,10 @@ from ft_checkpoint.policy import (
     SavePolicy,
     policy_from_interval,
 )
+from ft_checkpoint.preemption import PreemptionWatcher
 from ft_checkpoint.resume import find_resume_step, quarantine, warn_skipped
 from ft_checkpoint.retention import apply_retention, list_steps
+from ft_checkpoint.slurm import SlurmJob, requeue
 from ft_checkpoint.state import load_tree_into, rng_state, set_rng_state, to_tree
 from ft_checkpoint.storage import Storage
 
@@ -67,6 +69,12 @@ class CheckpointManager:
     Every rank of a distributed job must create the manager and call ``resume``/``maybe_save``/
     ``save``/``close`` at the same steps (the step-based policies guarantee it; time-based ones are
     decided by rank 0 and broadcast).
+
+    Preemption: the signals in ``preemption_signals`` (SIGTERM, SIGUSR1) and, on Slurm, the job's
+    time limit only raise a flag; at the next ``maybe_save`` every rank agrees, the step is saved
+    and committed, the journal records the preemption, a Slurm job is requeued (rank 0), and
+    :class:`~ft_checkpoint.errors.Preempted` (a ``SystemExit``) ends the process cleanly.
+    Create the manager on the main thread for the signal handlers.
     """
 
     def __init__(self, dirpath: str | None = None, *, policy: SavePolicy | None = None, **config: Any) -> None:
@@ -87,11 +95,18 @@ class CheckpointManager:
         self.lease = Lease(self.storage, attempt=self.journal.attempt)
         self.groups.on_rank0(lambda: self.lease.acquire(force=c.force_takeover))
         self.engine = CheckpointEngine(self.storage, self.groups)
-        self.journal.record("attempt_start", world_size=self.groups.world_size)
+        self.slurm = SlurmJob.detect(query=self.rank == 0)
+        """The Slurm job this runs in (None outside Slurm); its requeue flag and end time on rank 0 only."""
+        self.watcher = PreemptionWatcher(c.preemption_signals, end_time=self.slurm and self.slurm.end_time,
+                                         margin=parse_duration(c.end_time_margin))
+        self.journal.record("attempt_start", world_size=self.groups.world_size,
+                            preemption_signals=self.watcher.signals)
         if self.adaptive is not None and self.rank == 0:
             self._learn_failures()
         self.preempted = False
-        """Set by a preemption handler; the next ``maybe_save`` then saves (see ``OnPreemption``)."""
+        """A preemption was announced (on any rank); set it yourself for a notice of your own: the next
+        ``maybe_save`` then makes the final save and exits."""
+        self._preempt_reason: str | None = None
         self.last_save: SaveStats | None = None
         self.resumed_from: int | None = None
         self.failed_saves = 0
@@ -117,17 +132,31 @@ class CheckpointManager:
 
     # -- saving --------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
-        """Whether the policy wants a save at ``step`` (the same answer on every rank)."""
+        """Whether to save at ``step``: the policy's answer, or a preemption (the same answer on every rank)."""
         self._time_step()
         self.journal.progress(step)
         last = self.last_save
+        last_step = last.step if last else self.resumed_from
+        notice = self._notice()
         ctx = SaveContext(
-            step=step, now=time.monotonic(), last_save_step=last.step if last else self.resumed_from,
+            step=step, now=time.monotonic(), last_save_step=last_step,
             last_save_time=self._last_save_time, last_stall=last.stall if last else None,
             last_duration=last.duration if last else None, save_in_flight=self.engine.in_flight,
-            preempted=self.preempted)
+            preempted=notice is not None)
         decision = self.policy.should_save(ctx)
-        return decision if self.policy.deterministic else self.groups.broadcast(decision)
+        if self.groups.distributed:
+            votes = self.groups.all_gather((decision, notice))  # one collective: rank 0's decision, anyone's notice
+            decision = votes[0][0] if not self.policy.deterministic else decision
+            notice = next((f"{n} on rank {r}" for r, (_, n) in enumerate(votes) if n), None)
+        self._preempt_reason = notice
+        self.preempted = notice is not None
+        return decision or (self.preempted and step != last_step)
+
+    def _notice(self) -> str | None:
+        """This rank's preemption notice: a signal's name, ``"job end time"``, or set by the program."""
+        if self.watcher.check():
+            return self.watcher.reason
+        return (self._preempt_reason or "preempted set by the program") if self.preempted else None
 
     def maybe_save(self, step: int, state: dict[str, Any], *, epoch: int | None = None,
                    metadata: dict[str, Any] | None = None) -> bool:
@@ -139,7 +168,32 @@ class CheckpointManager:
             return False
         self.save(step, state, epoch=epoch, metadata=metadata)
         self._last_boundary = time.monotonic()  # the stall is counted once, not again as a slow step
+        if self.preempted:
+            self.stop_for_preemption()
         return True
+
+    def stop_for_preemption(self) -> None:
+        """End the process after a preemption notice: wait for the final save to commit, journal it, requeue
+        the Slurm job (rank 0), close, and raise :class:`~ft_checkpoint.errors.Preempted`.
+
+        ``maybe_save`` calls it after the final save; call it yourself after a ``save`` of your own.
+        """
+        self.wait()  # a failed final save raises here (on_save_error="raise"); "warn" exits anyway
+        step, reason = self._last_committed, self._preempt_reason or self.watcher.reason or "unknown"
+        requeued = self.rank == 0 and self.slurm is not None and self._should_requeue()
+        self.journal.record("preempted", step=step, reason=reason, requeue=requeued)
+        if self.rank == 0:
+            log.warning("preempted (%s): step %s is committed in %s; exiting%s", reason, step, self.storage.url,
+                        f", Slurm job {self.slurm.job_id} requeued" if requeued else "")
+        self.close(clean=False)
+        if requeued:
+            requeue(self.slurm.job_id)
+        raise Preempted(step, reason, self.config.preemption_exit_code)
+
+    def _should_requeue(self) -> bool:
+        if self.config.requeue is not None:
+            return self.config.requeue
+        return self.slurm.requeue
 
     def _time_step(self) -> None:
         """Step times at each boundary: while a write runs they measure its slowdown of training."""
@@ -185,6 +239,7 @@ class CheckpointManager:
     def _after_commit(self, stats: SaveStats) -> None:
         """On the writer thread, after a commit: journal, log, retention (rank 0)."""
         self._last_committed = stats.step
+        self.watcher.margin = max(parse_duration(self.config.end_time_margin), 2 * (stats.duration or 0.0))
         if self.rank != 0:
             return
         self.journal.record("commit", step=stats.step, stall=stats.stall, waited=stats.waited,
@@ -290,6 +345,7 @@ class CheckpointManager:
         try:
             self.wait()  # a failed drain raises here (on_save_error="raise"): that is no clean end
         finally:
+            self.watcher.close()
             self.engine.close()
             self.journal.close()
             if self.rank == 0:

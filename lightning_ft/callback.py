@@ -35,6 +35,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy, Strategy
 
 from ft_checkpoint import CheckpointConfig, CheckpointManager, ConfigError, FTCheckpointError, SavePolicy, SaveStats
+from ft_checkpoint.errors import Preempted
 from ft_checkpoint.state import rng_state, set_rng_state
 from lightning_ft import _lightning_internals as internals
 from lightning_ft._state import encode_tensor, from_core, rank0_buffers, to_core
@@ -121,6 +122,14 @@ class FaultTolerantCheckpoint(Checkpoint):
     epoch or right before validation happens one batch later (resuming there would skip the epoch end or
     the validation). An explicit ``trainer.fit(ckpt_path=...)`` wins over the automatic resume. This
     callback replaces Lightning's default ``ModelCheckpoint``; add one yourself to keep best-k files.
+
+    Preemption: SIGTERM and SIGUSR1 (``preemption_signals``) only raise a flag. At the next batch end
+    a resume can start after, every rank agrees, that step is saved and committed, the journal records
+    the preemption, a ``sbatch --requeue`` job is requeued, and the process exits with code 0
+    (:class:`ft_checkpoint.errors.Preempted`). Handlers installed before ``fit`` still run. Because this
+    callback's SIGUSR1 handler is in place first, Lightning's SLURM auto-requeue handler (which saves
+    inside the signal handler) is not installed. If Lightning's own SIGTERM exit comes first (a signal
+    during validation), the preemption is still journaled, and ``save_on_exception`` saves its step.
 
     Example:
         >>> cb = FaultTolerantCheckpoint("memory://doc/cb", interval=50, save_on_exception=True)
@@ -223,7 +232,9 @@ class FaultTolerantCheckpoint(Checkpoint):
         if resumable and self._pending:  # a save asked for at an earlier batch, where a resume could not start
             self._pending = False
             self._save(trainer, step, lambda: self._snapshot(trainer, self._iter_rng))
-        elif resumable:
+            if self.manager.preempted:
+                self.manager.stop_for_preemption()
+        elif resumable:  # a preemption notice makes this the final save, then exits (Preempted)
             self._save(trainer, step, lambda: self._snapshot(trainer, self._iter_rng), if_due=True)
         elif self.manager.should_save(step):
             self._pending = True
@@ -243,7 +254,8 @@ class FaultTolerantCheckpoint(Checkpoint):
         """
         internals.release_resume(trainer)
         self._remove_hooks()
-        if not self._active:
+        if not self._active or isinstance(exception, Preempted):  # after the final save of a preemption
+            self._active = False
             return
         self._active = False
         save = self.save_on_exception and not isinstance(exception, FTCheckpointError)
@@ -360,7 +372,11 @@ class FaultTolerantCheckpoint(Checkpoint):
         except Exception:
             log.exception("save_on_exception: the save failed; the last committed checkpoint is intact")
         try:
+            if self.manager.watcher.requested:  # Lightning's SIGTERM exit came before a step boundary of ours
+                self.manager.stop_for_preemption()
             self.manager.close(clean=False)
+        except Preempted:
+            pass  # journaled (and requeued); Lightning's own exit is already under way
         except Exception:
             log.exception("the save in flight failed; the last committed checkpoint is intact")
 

@@ -5,7 +5,8 @@
 
 Trains a small MLP with dropout (so the RNG matters), AdamW, a StepLR schedule and a shuffled
 DataLoader whose samples carry their index. ``--kill-at N`` SIGKILLs the process at the top of the
-loop body of micro-batch N (counted over all epochs), so a save may be in flight. Without ``--dirpath``
+loop body of micro-batch N (counted over all epochs), so a save may be in flight; ``--signal-at N``
+sends ``--signal`` (a preemption notice) there instead. Without ``--dirpath``
 the checkpoint settings come only from ``FT_CHECKPOINT_*`` env vars. At the end each rank writes
 ``OUT/final_rank<R>.pt``: final weights, optimizer state, learning rate, the next random numbers, and
 the sample indices this attempt trained on. Lines starting with ``FTTEST`` report what happened.
@@ -55,6 +56,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=96)
     p.add_argument("--kill-at", type=int)
     p.add_argument("--kill-rank", type=int, default=0)
+    p.add_argument("--signal-at", type=int, help="send --signal to this process at the top of micro-batch N")
+    p.add_argument("--signal", default="SIGUSR1")
+    p.add_argument("--user-sigterm-marker", help="install a SIGTERM handler of the user's that writes this file")
     p.add_argument("--kill-first-attempt", action="store_true", help="kill only when TORCHELASTIC_RESTART_COUNT=0")
     p.add_argument("--fsdp2", action="store_true", help="shard the model with fully_shard (FSDP2) on CPU")
     p.add_argument("--seedable", action="store_true", help="Accelerate's seedable sampler (seed + epoch)")
@@ -89,6 +93,8 @@ def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict
 
 def main() -> None:
     args = parse()
+    if args.user_sigterm_marker:
+        signal.signal(signal.SIGTERM, lambda *_: open(args.user_sigterm_marker, "a").write("ran\n"))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     set_seed(0)
     data_config = DataLoaderConfiguration(use_seedable_sampler=True) if args.seedable else None
@@ -115,6 +121,8 @@ def main() -> None:
                 if should_kill(args, acc, ft.epoch * len(loader) + ft.batches_done):
                     print(f"FTTEST rank={acc.process_index} SIGKILL at global_step={ft.global_step}", flush=True)
                     os.kill(os.getpid(), signal.SIGKILL)
+                if args.signal_at == ft.epoch * len(loader) + ft.batches_done:
+                    os.kill(os.getpid(), signal.Signals[args.signal])  # a preemption notice
                 seen.append(index.tolist())
                 ran += 1
                 with acc.accumulate(model):

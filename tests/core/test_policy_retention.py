@@ -7,6 +7,7 @@ import os
 import pytest
 
 from ft_checkpoint import CheckpointManager, layout
+from ft_checkpoint.errors import Preempted
 from ft_checkpoint.policy import EveryInterval, EveryNSteps, OnPreemption, SaveContext, policy_from_interval
 from ft_checkpoint.retention import plan_deletions
 from tests.helpers.toy import make
@@ -62,5 +63,7 @@ def test_maybe_save_follows_the_policy(tmp_path):
         saved = [s for s in range(1, 10) if ckpt.maybe_save(s, state)]
         ckpt.wait()
         assert saved == [3, 6, 9] and ckpt.latest() == 9
-        ckpt.preempted = True
-        assert ckpt.maybe_save(10, state)
+        ckpt.preempted = True  # a notice of the program's own: the final save, then a clean exit
+        with pytest.raises(Preempted) as exc:
+            ckpt.maybe_save(10, state)
+        assert (exc.value.code, exc.value.step, exc.value.reason) == (0, 10, "preempted set by the program")

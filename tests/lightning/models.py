@@ -42,9 +42,13 @@ class Net(pl.LightningModule):
         self.seen: list[tuple[int, int, list[int]]] = []
         self.kill: Any = None
         """Called as ``kill(trainer)`` after every batch, after all callbacks (tests use it to crash)."""
+        self.in_step: Any = None
+        """Called as ``in_step(trainer)`` inside every ``training_step`` (tests send signals from there)."""
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y, idx = batch
+        if self.in_step is not None:
+            self.in_step(self.trainer)
         self.seen.append((self.current_epoch, batch_idx, idx.tolist()))
         noise = (torch.rand(1).item() + random.random() + float(np.random.rand())) * 1e-3
         loss = nn.functional.mse_loss(self.net(x), y) + noise

@@ -6,7 +6,8 @@
 started at STEP is in flight), or ``writing`` (when the writer of the save of step STEP has written the
 data but not the manifest). The kill is a SIGKILL of the whole process group: every rank dies at once,
 as on a lost node. Run it with ``start_new_session=True``. ``--sigterm-at STEP`` sends SIGTERM instead
-(a preemption notice; Lightning turns it into an exception, and the job exits). With ``--devices 2`` Lightning's DDP
+(a preemption notice; Lightning turns it into an exception, and the job exits); ``--signal-in-step STEP``
+sends ``--signal`` to rank 0 inside a training step (FaultTolerantCheckpoint makes the final save). With ``--devices 2`` Lightning's DDP
 launcher starts rank 1 by running this script again (hence the ``__main__`` guard).
 
 Rank 0 writes ``OUT/final.pt`` (``models.final_state``) at the end and every rank appends a line to
@@ -61,12 +62,18 @@ def main() -> None:
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--kill-how", choices=["batch_end", "writing"], default="batch_end")
     p.add_argument("--sigterm-at", type=int, default=None, help="SIGTERM the job after this step")
+    p.add_argument("--signal-in-step", type=int, default=None,
+                   help="rank 0 sends itself --signal inside the training step that starts at this global step")
+    p.add_argument("--signal", default="SIGUSR1")
+    p.add_argument("--user-sigterm-marker", default=None, help="install a SIGTERM handler of the user's that writes this")
     p.add_argument("--save-on-exception", action="store_true")
     p.add_argument("--storage-options", default="{}", help="JSON")
     p.add_argument("--no-callback", action="store_true", help="train without FaultTolerantCheckpoint")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
+    if args.user_sigterm_marker:
+        signal.signal(signal.SIGTERM, lambda *_: open(args.user_sigterm_marker, "a").write("ran\n"))
     pl.seed_everything(0, verbose=False)
     model, data = Net(), Data()
     ft = None if args.no_callback else FaultTolerantCheckpoint(
@@ -86,6 +93,11 @@ def main() -> None:
             if tr.global_step == args.sigterm_at and tr.is_global_zero:
                 os.killpg(os.getpgid(0), signal.SIGTERM)
         model.kill = term
+    if args.signal_in_step is not None:
+        def notice(tr: pl.Trainer) -> None:
+            if tr.global_step == args.signal_in_step and tr.is_global_zero:
+                os.kill(os.getpid(), signal.Signals[args.signal])
+        model.in_step = notice
     if args.kill_at is not None and args.kill_how == "writing":
         class ArmWriterKill(pl.Callback):
             def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

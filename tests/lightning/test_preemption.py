@@ -1,0 +1,42 @@
+"""Preemption under Lightning: a real signal inside a training step, the final save, exit 0, exact resume."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ft_checkpoint import read_journal
+from ft_checkpoint.storage import Storage
+from tests.lightning.models import assert_same
+from tests.lightning.test_kill_resume import read_runs
+
+
+def preempted_events(ckpt: str) -> list[dict]:
+    return [e for e in read_journal(Storage(ckpt)) if e["event"] == "preempted"]
+
+
+@pytest.mark.parametrize("sig", ["SIGUSR1", "SIGTERM"])
+def test_signal_saves_the_next_step_exits_0_and_resumes_exactly(job, tmp_path, single_reference, sig):
+    ckpt, out, marker = str(tmp_path / "ckpt"), str(tmp_path / "out"), tmp_path / "user-handler-ran"
+    job.run(ckpt, out, "--interval", 4, "--signal-in-step", 9, "--signal", sig, "--user-sigterm-marker", marker)
+    assert marker.exists() == (sig == "SIGTERM")  # the user's own SIGTERM handler still ran
+    assert [(e["step"], e["reason"]) for e in preempted_events(ckpt)] == [(10, sig)]  # the step the signal hit
+    assert not os.path.exists(os.path.join(out, "final.pt"))  # it exited, it did not train on
+    job.run(ckpt, out, "--interval", 4)
+    assert [r["resumed_from"] for r in read_runs(out)] == [None, 10]
+    assert_same(torch.load(single_reference, weights_only=False),
+                torch.load(os.path.join(out, "final.pt"), weights_only=False))
+
+
+def test_ddp_signal_to_rank_0_stops_both_ranks_at_one_step(job, tmp_path):
+    args = ("--devices", 2, "--interval", 5)
+    job.run(str(tmp_path / "ref-ckpt"), str(tmp_path / "ref"), *args)
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    job.run(ckpt, out, *args, "--signal-in-step", 2)  # validation follows step 3: the final save is step 4
+    assert [(e["step"], e["reason"]) for e in preempted_events(ckpt)] == [(4, "SIGUSR1 on rank 0")]
+    job.run(ckpt, out, *args)
+    assert [r["resumed_from"] for r in read_runs(out)] == [None, None, 4, 4]
+    assert_same(torch.load(tmp_path / "ref" / "final.pt", weights_only=False),
+                torch.load(os.path.join(out, "final.pt"), weights_only=False))
