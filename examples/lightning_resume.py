@@ -5,10 +5,11 @@
 The script starts the training as a child process (this same file with ``--train``). The training uses
 ``FaultTolerantCheckpoint()`` with its default local dirpath (``<default_root_dir>/ft_checkpoints``;
 the child runs in a fresh working directory) and saves every 10 steps in the background. Partway
-through, the parent kills the child with SIGKILL, like a lost node or an OOM kill, then starts it again
-with the very same command: ``trainer.fit`` finds the newest verified checkpoint by itself and continues
-from it. At the end it prints the step it resumed from, how many steps were computed twice, and the
-mean training stall per save next to what a synchronous ``torch.save`` of the same state takes.
+through, the training is killed with SIGKILL right after a step (``--kill-after``; no clean shutdown,
+like a lost node or an OOM kill), then the parent starts it again with the very same command:
+``trainer.fit`` finds the newest verified checkpoint by itself and continues from it. At the end it
+prints the step it resumed from, how many steps were computed twice, and the mean training stall per
+save next to what a synchronous ``torch.save`` of the same state takes.
 
     python examples/lightning_resume.py --train [--steps N]
 
@@ -34,8 +35,9 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # run from a checkout without installing
 
 
-def train(steps: int) -> None:
-    """The training job: a small MLP regression, 5 epochs of ``steps / 5`` batches."""
+def train(steps: int, crash_after: int | None = None) -> None:
+    """The training job: a small MLP regression, 5 epochs of ``steps / 5`` batches; a fresh start
+    SIGKILLs itself after step ``crash_after``."""
     import lightning.pytorch as pl
     import torch
     from torch import nn
@@ -62,6 +64,8 @@ def train(steps: int) -> None:
 
         def on_train_batch_end(self, outputs, batch, batch_idx) -> None:  # runs after every callback
             emit(event="step", step=self.trainer.global_step, stalls=ft.stalls[-1:] if saved() else [])
+            if self.trainer.global_step == crash_after and ft.resumed_from is None:
+                os.kill(os.getpid(), signal.SIGKILL)  # a crash: no clean shutdown, a save may be in flight
 
     def saved() -> bool:
         new = len(ft.stalls) > state["reported"]
@@ -105,22 +109,15 @@ def weights_sha256(model) -> str:
 
 
 def run_train(workdir: str, steps: int, kill_after: int | None) -> list[dict]:
-    """Run the training once; SIGKILL it once it reported ``kill_after`` steps. Returns what it reported."""
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--train", "--steps", str(steps)],
-                            cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))})
-    events = []
-    for line in proc.stdout:
-        events.append(json.loads(line))
-        if kill_after is not None and events[-1].get("step", 0) >= kill_after and events[-1]["event"] == "step":
-            proc.send_signal(signal.SIGKILL)
-            events += [json.loads(rest) for rest in proc.stdout]  # whatever it reported before it died
-            break
-    proc.wait()
+    """Run the training once (SIGKILLed after step ``kill_after``, if given). Returns what it reported."""
+    crash = ["--crash-after", str(kill_after)] if kill_after is not None else []
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--train", "--steps", str(steps), *crash],
+                          cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))})
     expected = -signal.SIGKILL if kill_after is not None else 0
     if proc.returncode != expected:
         raise SystemExit(f"the training exited with {proc.returncode}; run it with --train to see its output")
-    return events
+    return [json.loads(line) for line in proc.stdout.splitlines()]
 
 
 def main() -> None:
@@ -130,9 +127,10 @@ def main() -> None:
     p.add_argument("--workdir", default=None, help="where the run lives (default: a new temporary directory)")
     p.add_argument("--train", action="store_true",
                    help="only run the training job, in the current directory (what a Slurm job runs)")
+    p.add_argument("--crash-after", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.train:
-        train(args.steps)
+        train(args.steps, args.crash_after)
         return
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="ft-lightning-")

@@ -28,13 +28,14 @@ from ft_checkpoint.errors import ConfigError
 
 ENV_PREFIX = "FT_CHECKPOINT_"
 ENV_CONFIG_FILE = "FT_CHECKPOINT_CONFIG"
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
 def parse_duration(value: int | float | str | datetime.timedelta) -> float:
-    """Seconds from a number of seconds, a ``timedelta`` or a string such as ``"30s"``, ``"5m"``, ``"6h"``, ``"2d"``.
+    """Seconds from a number of seconds, a ``timedelta`` or a string such as ``"30s"``, ``"5m"``, ``"6h"``, ``"2d"``
+    (a bare number in a string, as env vars give it, is seconds).
 
     Example:
         >>> parse_duration("5m"), parse_duration(datetime.timedelta(hours=1)), parse_duration(90)
@@ -47,7 +48,7 @@ def parse_duration(value: int | float | str | datetime.timedelta) -> float:
     if isinstance(value, str):
         m = _DURATION_RE.match(value)
         if m:
-            return float(m.group(1)) * _UNITS[m.group(2)]
+            return float(m.group(1)) * _UNITS[m.group(2) or "s"]
     raise ValueError(f"{value!r} is not a duration: use seconds, a timedelta, or a string like '30s', '5m', '6h', '2d'")
 
 
@@ -101,7 +102,8 @@ class CheckpointConfig:
 
     progress_interval: float | str | datetime.timedelta = 10.0
     """How often (at most) the journal notes the step reached, from a background thread; the goodput
-    report's recomputed work after a crash is exact to within this much training time (0: every step)."""
+    report's recomputed work after a crash is exact to within this much training time (0: every step,
+    written before the step returns: an exact report for one small write per step)."""
 
     force_takeover: bool = False
     """Take the directory's lease even if another live job seems to hold it (see ``lease``)."""

@@ -75,11 +75,15 @@ class Journal:
 
         One object per attempt (``progress.json``), overwritten: how far an attempt got before it
         died, and so how much work its restart recomputed. A note asked for while the previous one is
-        still being written is not dropped: the newest step is written right after it.
+        still being written is not dropped: the newest step is written right after it. With
+        ``progress_every == 0`` every note is written before this returns.
         """
         self._latest_step = step
         now = time.monotonic()
         if not self.enabled or (not force and now - self._progress_at < self.progress_every):
+            return
+        if self.progress_every == 0:  # every step, written before the step goes on: an exact report
+            self._write_progress(step)
             return
         self._progress_at = now
         with self._lock:

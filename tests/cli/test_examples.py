@@ -2,9 +2,9 @@
 each SIGKILLed partway and resumed.
 
 What the report can know of a killed attempt is its last progress note, written at every save and at
-most every ``progress_interval`` (10 s) in between. These examples die between saves, a few
-seconds into the job, so the report's recomputed steps is a lower bound of what the example says it
-recomputed (exact when the note landed at the kill, as in ``test_commands``, whose job dies mid-save).
+most every ``progress_interval`` in between (10 s by default). The examples run here with
+``FT_CHECKPOINT_PROGRESS_INTERVAL=0`` (a note at every step, written before the step goes on), so the
+report's recomputed steps must equal what the example says it recomputed.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from ft_checkpoint import layout
 from tests.cli.conftest import ROOT, cli, cli_json
 
 TIMEOUT = 300
+EXACT = {"FT_CHECKPOINT_PROGRESS_INTERVAL": "0"}
 
 
 def run_example(*args: str, env: dict[str, str] | None = None, rc: int = 0) -> str:
@@ -48,7 +49,7 @@ def check_directory(url: str, resumed_from: int, recomputed: int, tmp_path) -> N
     killed, resumed = report["attempts"]
     assert report["total"]["failures"] == 1 and killed["outcome"] == "failed"
     assert resumed["resumed_from"] == resumed_from and resumed["outcome"] == "clean_end"
-    assert 0 <= killed["recomputed_steps"] <= recomputed  # see the module docstring
+    assert killed["recomputed_steps"] == recomputed > 0  # see the module docstring
     assert 0 < report["total"]["goodput"] < 1
 
     copy = str(tmp_path / "copy")
@@ -67,7 +68,8 @@ def test_lightning_example(tmp_path):
     pytest.importorskip("lightning")
     workdir = tmp_path / "lightning"
     workdir.mkdir()
-    out = run_example("examples/lightning_resume.py", "--workdir", str(workdir), "--steps", "50", "--kill-after", "27")
+    out = run_example("examples/lightning_resume.py", "--workdir", str(workdir), "--steps", "50", "--kill-after", "27",
+                      env=EXACT)
     killed_at = number(r"killed \(SIGKILL\)\s+after step (\d+)", out)
     resumed_from = number(r"resumed from\s+step (\d+)", out)
     check_directory(str(workdir / "ft_checkpoints"), resumed_from, killed_at - resumed_from, tmp_path)
@@ -75,7 +77,7 @@ def test_lightning_example(tmp_path):
 
 def test_accelerate_example(tmp_path):
     pytest.importorskip("accelerate")
-    env = {"FT_CHECKPOINT_DIRPATH": str(tmp_path / "accelerate")}
+    env = {"FT_CHECKPOINT_DIRPATH": str(tmp_path / "accelerate"), **EXACT}
     first = run_example("examples/accelerate_resume.py", "--crash-at-step", "40", env=env, rc=-signal.SIGKILL)
     killed_at = number(r"SIGKILL after optimizer step (\d+)", first)
     second = run_example("examples/accelerate_resume.py", env=env)
