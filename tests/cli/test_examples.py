@@ -1,5 +1,5 @@
 """The CLI on directories written by the project's own examples: the Lightning and the Accelerate one,
-each SIGKILLed partway and resumed.
+each SIGKILLed partway and resumed, on local disk and (Accelerate) on the GCS emulator.
 
 What the report can know of a killed attempt is its last progress note, written at every save and at
 most every ``progress_interval`` in between (10 s by default). The examples run here with
@@ -9,13 +9,15 @@ report's recomputed steps must equal what the example says it recomputed.
 
 from __future__ import annotations
 
+import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
+import uuid
 
+import fsspec
 import pytest
 
 from ft_checkpoint import layout
@@ -38,30 +40,30 @@ def number(pattern: str, text: str) -> int:
     return int(match.group(1))
 
 
-def check_directory(url: str, resumed_from: int, recomputed: int, tmp_path) -> None:
+def check_directory(url: str, resumed_from: int, recomputed: int, env: dict[str, str] | None = None) -> None:
     """ls, verify, a byte flip, and the report, against what the example says happened."""
-    listing = cli_json("ls", url)
+    listing = cli_json("ls", url, env=env)
     assert listing["resume_step"] == max(s["step"] for s in listing["steps"])
     assert all(s["status"] == "committed" for s in listing["steps"])
-    assert cli("verify", url, "--all").returncode == 0
+    assert cli("verify", url, "--all", env=env).returncode == 0
 
-    report = cli_json("report", url)
+    report = cli_json("report", url, env=env)
     killed, resumed = report["attempts"]
     assert report["total"]["failures"] == 1 and killed["outcome"] == "failed"
     assert resumed["resumed_from"] == resumed_from and resumed["outcome"] == "clean_end"
     assert killed["recomputed_steps"] == recomputed > 0  # see the module docstring
     assert 0 < report["total"]["goodput"] < 1
 
-    copy = str(tmp_path / "copy")
-    shutil.copytree(url, copy)
-    newest = os.path.join(copy, layout.step_dir(listing["resume_step"]), "__0_0.distcp")
-    with open(newest, "r+b") as f:
-        f.seek(100)
-        byte = f.read(1)
-        f.seek(100)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    bad = cli("verify", copy)
-    assert bad.returncode == 1 and f"{newest}: does not match its checksum" in bad.stdout
+    copy = url.rstrip("/") + "-copy"
+    fs, root = fsspec.core.url_to_fs(url, **json.loads((env or {}).get("FT_CHECKPOINT_STORAGE_OPTIONS", "{}")))
+    fs.copy(root, fs._strip_protocol(copy), recursive=True)
+    newest = f"{layout.step_dir(listing['resume_step'])}/__0_0.distcp"
+    path = f"{fs._strip_protocol(copy)}/{newest}"
+    data = bytearray(fs.cat_file(path))
+    data[100] ^= 0xFF
+    fs.pipe_file(path, bytes(data))
+    bad = cli("verify", copy, env=env)
+    assert bad.returncode == 1 and f"{newest}: does not match its checksum" in bad.stdout, bad.stdout + bad.stderr
 
 
 def test_lightning_example(tmp_path):
@@ -72,14 +74,22 @@ def test_lightning_example(tmp_path):
                       env=EXACT)
     killed_at = number(r"killed \(SIGKILL\)\s+after step (\d+)", out)
     resumed_from = number(r"resumed from\s+step (\d+)", out)
-    check_directory(str(workdir / "ft_checkpoints"), resumed_from, killed_at - resumed_from, tmp_path)
+    check_directory(str(workdir / "ft_checkpoints"), resumed_from, killed_at - resumed_from)
 
 
-def test_accelerate_example(tmp_path):
+@pytest.mark.parametrize("where", ["local", "gcs"])
+def test_accelerate_example(tmp_path, request, where):
     pytest.importorskip("accelerate")
     env = {"FT_CHECKPOINT_DIRPATH": str(tmp_path / "accelerate"), **EXACT}
+    if where == "gcs":
+        gcs = request.getfixturevalue("gcs_server")
+        bucket = f"examples-{uuid.uuid4().hex[:8]}"
+        gcs.make_bucket(bucket)
+        env.update(FT_CHECKPOINT_DIRPATH=f"{gcs.protocol}://{bucket}/run",
+                   FT_CHECKPOINT_STORAGE_OPTIONS=json.dumps(gcs.storage_options),
+                   GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false")
     first = run_example("examples/accelerate_resume.py", "--crash-at-step", "40", env=env, rc=-signal.SIGKILL)
     killed_at = number(r"SIGKILL after optimizer step (\d+)", first)
     second = run_example("examples/accelerate_resume.py", env=env)
     resumed_from = number(r"resumed from (\d+)", second)
-    check_directory(env["FT_CHECKPOINT_DIRPATH"], resumed_from, killed_at - resumed_from, tmp_path)
+    check_directory(env["FT_CHECKPOINT_DIRPATH"], resumed_from, killed_at - resumed_from, env)
