@@ -128,8 +128,9 @@ class FaultTolerantCheckpoint(Checkpoint):
     the preemption, a ``sbatch --requeue`` job is requeued, and the process exits with code 0
     (:class:`ft_checkpoint.errors.Preempted`). Handlers installed before ``fit`` still run. Because this
     callback's SIGUSR1 handler is in place first, Lightning's SLURM auto-requeue handler (which saves
-    inside the signal handler) is not installed. If Lightning's own SIGTERM exit comes first (a signal
-    during validation), the preemption is still journaled, and ``save_on_exception`` saves its step.
+    inside the signal handler) is not installed. If Lightning's own SIGTERM exit comes first (a SIGTERM
+    at a batch a resume cannot start after), the preemption is still journaled, and
+    ``save_on_exception`` saves the last completed step.
 
     Example:
         >>> cb = FaultTolerantCheckpoint("memory://doc/cb", interval=50, save_on_exception=True)
