@@ -30,13 +30,32 @@ def test_signal_saves_the_next_step_exits_0_and_resumes_exactly(job, tmp_path, s
                 torch.load(os.path.join(out, "final.pt"), weights_only=False))
 
 
-def test_ddp_signal_to_rank_0_stops_both_ranks_at_one_step(job, tmp_path):
-    args = ("--devices", 2, "--interval", 5)
-    job.run(str(tmp_path / "ref-ckpt"), str(tmp_path / "ref"), *args)
+DDP = ("--devices", 2, "--interval", 5)
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(job, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ddp-reference")
+    job.run(str(root / "ckpt"), str(root / "out"), *DDP)
+    return str(root / "out" / "final.pt")
+
+
+@pytest.mark.parametrize("sig", ["SIGUSR1", "SIGTERM"])
+def test_ddp_signal_to_rank_0_stops_both_ranks_at_one_step(job, tmp_path, ddp_reference, sig):
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
-    job.run(ckpt, out, *args, "--signal-in-step", 2)  # validation follows step 3: the final save is step 4
+    job.run(ckpt, out, *DDP, "--signal-in-step", 0, "--signal", sig)  # Lightning forwards a SIGTERM to rank 1
+    assert [(e["step"], e["reason"]) for e in preempted_events(ckpt)] == [(1, f"{sig} on rank 0")]
+    job.run(ckpt, out, *DDP)
+    assert [r["resumed_from"] for r in read_runs(out)] == [None, None, 1, 1]
+    assert_same(torch.load(ddp_reference, weights_only=False),
+                torch.load(os.path.join(out, "final.pt"), weights_only=False))
+
+
+def test_ddp_notice_at_a_batch_followed_by_validation_saves_the_next_step(job, tmp_path, ddp_reference):
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    job.run(ckpt, out, *DDP, "--signal-in-step", 2)  # validation follows step 3: the final save is step 4
     assert [(e["step"], e["reason"]) for e in preempted_events(ckpt)] == [(4, "SIGUSR1 on rank 0")]
-    job.run(ckpt, out, *args)
+    job.run(ckpt, out, *DDP)
     assert [r["resumed_from"] for r in read_runs(out)] == [None, None, 4, 4]
-    assert_same(torch.load(tmp_path / "ref" / "final.pt", weights_only=False),
+    assert_same(torch.load(ddp_reference, weights_only=False),
                 torch.load(os.path.join(out, "final.pt"), weights_only=False))
