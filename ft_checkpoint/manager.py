@@ -148,7 +148,7 @@ class CheckpointManager:
             votes = self.groups.all_gather((decision, notice))  # one collective: rank 0's decision, anyone's notice
             decision = votes[0][0] if not self.policy.deterministic else decision
             notice = next((f"{n} on rank {r}" for r, (_, n) in enumerate(votes) if n), None)
-        self._preempt_reason = notice
+        self._preempt_reason = self._preempt_reason or notice  # the first notice agreed on
         self.preempted = notice is not None
         return decision or (self.preempted and step != last_step)
 
@@ -156,7 +156,7 @@ class CheckpointManager:
         """This rank's preemption notice: a signal's name, ``"job end time"``, or set by the program."""
         if self.watcher.check():
             return self.watcher.reason
-        return (self._preempt_reason or "preempted set by the program") if self.preempted else None
+        return "preempted set by the program" if self.preempted else None
 
     def maybe_save(self, step: int, state: dict[str, Any], *, epoch: int | None = None,
                    metadata: dict[str, Any] | None = None) -> bool:
