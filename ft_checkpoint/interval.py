@@ -50,34 +50,6 @@ def expected_waste(interval: float, cost: float, mtbf: float, restart: float = 0
     return 1.0 - 1.0 / wall_per_work
 
 
-def bayes_interval(cost: float, mtbfs: list[float], weights: list[float], *, restart: float = 0.0,
-                   lo: float = 1.0, hi: float = 30 * 86400.0, candidates: int = 48) -> float:
-    """The interval minimising expected waste when the MTBF is uncertain (``weights`` over ``mtbfs``).
-
-    A too-long interval costs far more when failures are frequent than a too-short one costs when
-    they are rare, so under uncertainty this is shorter than Daly's interval at the point estimate.
-
-    Example:
-        >>> round(bayes_interval(300, [6 * 3600], [1.0]) / daly_interval(300, 6 * 3600), 2)
-        1.0
-    """
-    pairs = [(m, w) for m, w in zip(mtbfs, weights) if w > 1e-9]
-    best, best_waste = lo, float("inf")
-    for i in range(candidates + 1):
-        tau = lo * (hi / lo) ** (i / candidates)
-        waste = sum(w * expected_waste(tau, cost, m, restart) for m, w in pairs)
-        if waste < best_waste:
-            best, best_waste = tau, waste
-    # refine around the best candidate with a golden-section search on log(tau)
-    a, b = math.log(best) - math.log(hi / lo) / candidates, math.log(best) + math.log(hi / lo) / candidates
-    f = lambda x: sum(w * expected_waste(math.exp(x), cost, m, restart) for m, w in pairs)  # noqa: E731
-    g = (math.sqrt(5) - 1) / 2
-    for _ in range(30):
-        c, d = b - g * (b - a), a + g * (b - a)
-        a, b = (a, d) if f(c) < f(d) else (c, b)
-    return min(hi, max(lo, math.exp((a + b) / 2)))
-
-
 def _check(cost: float, mtbf: float) -> None:
     if cost < 0:
         raise ValueError(f"cost={cost}: must be >= 0 seconds")

@@ -69,6 +69,9 @@ class Journal:
         self._progress_busy = self._progress_again = False
         self._latest_step: int | None = None
         self._written_step: int | None = None
+        self._written_cost: float | None = None
+        self.save_cost: float | None = None
+        """What a save last cost the training (seconds), carried in the progress note for the next attempt."""
 
     def progress(self, step: int, *, force: bool = False) -> None:
         """Note the step reached, at most every ``progress_every`` seconds, without blocking the caller.
@@ -103,17 +106,19 @@ class Journal:
                 self._progress_again = False
 
     def _write_progress(self, step: int | None) -> None:
-        body = json.dumps({"step": step, "time": time.time(), "attempt": self.attempt}).encode()
+        cost = self.save_cost
+        body = json.dumps({"step": step, "time": time.time(), "attempt": self.attempt, "save_cost": cost}).encode()
         try:
             self.storage.write_bytes(f"{JOURNAL_DIR}/{self.attempt}/{PROGRESS}", body)
-            self._written_step = step
+            self._written_step, self._written_cost = step, cost
         except StorageError as e:
             log.warning("could not write journal progress: %s", e)
 
     def close(self) -> None:
         """Finish pending writes and note the last step reached."""
         self._writer.shutdown(wait=True)
-        if self.enabled and self._latest_step is not None and self._latest_step != self._written_step:
+        if self.enabled and self._latest_step is not None and (
+                self._latest_step != self._written_step or self.save_cost != self._written_cost):
             self._write_progress(self._latest_step)
 
     def record(self, event: str, *, background: bool = False, **fields: Any) -> None:
@@ -154,8 +159,9 @@ def attempt_start_time(attempt: str) -> float:
 
 def attempt_summaries(storage: Storage) -> list[dict[str, Any]]:
     """Per attempt, oldest first: ``attempt``, ``start``, ``end`` (time of its last sign of life),
-    ``ended`` (cleanly or by an announced preemption) and ``last_step`` (its last progress note, or
-    None). Costs one listing and at most two small reads per attempt."""
+    ``ended`` (cleanly or by an announced preemption), ``last_step`` (its last progress note, or
+    None) and ``save_cost`` (what a save cost it, if measured). Costs one listing and at most two
+    small reads per attempt."""
     out = []
     for attempt in storage.listdir(JOURNAL_DIR):
         names = storage.listdir(f"{JOURNAL_DIR}/{attempt}")
@@ -171,7 +177,7 @@ def attempt_summaries(storage: Storage) -> list[dict[str, Any]]:
             continue
         ended = any(n.split("-", 1)[-1][:-5] in ENDED_EVENTS for n in events)
         out.append({"attempt": attempt, "start": start, "end": max(end, progress.get("time", end)),
-                    "ended": ended, "last_step": progress.get("step")})
+                    "ended": ended, "last_step": progress.get("step"), "save_cost": progress.get("save_cost")})
     return out
 
 

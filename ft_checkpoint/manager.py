@@ -120,8 +120,10 @@ class CheckpointManager:
 
     def _learn_failures(self) -> None:
         """Feed the adaptive policy this job's failures and exposure from the journal (rank 0)."""
-        failures, exposure = count_failures(attempt_summaries(self.storage))
-        self.adaptive.observe_history(failures, exposure)
+        summaries = attempt_summaries(self.storage)
+        failures, exposure = count_failures(summaries)
+        cost = next((s["save_cost"] for s in reversed(summaries) if s.get("save_cost") is not None), None)
+        self.adaptive.observe_history(failures, exposure, cost=cost)  # a known cost needs no probe save
         est = self.adaptive.model.estimate(failures, exposure)
         log.info("adaptive interval: %d failures in %.3g h of this job so far; MTBF estimate %.3g h (+/-%.0f%%)",
                  failures, exposure / 3600, est.mtbf / 3600, 100 * est.relative_uncertainty)
@@ -257,6 +259,7 @@ class CheckpointManager:
             idle = self._idle_step
             slowdown = sum(max(0.0, dt - idle) for dt in during) if idle is not None else 0.0
             self.adaptive.observe_save(cost=stats.stall + slowdown, durable=stats.duration or 0.0)
+            self.journal.save_cost = self.adaptive.cost
 
     def metrics(self) -> dict[str, float]:
         """Numbers worth logging: the last save's stall, time to durable and bytes; the interval."""

@@ -20,16 +20,18 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from ft_checkpoint.config import parse_duration
 from ft_checkpoint.failures import LLAMA3_GPU_FAILURE_RATE, FailureModel, prior_mtbf
-from ft_checkpoint.interval import bayes_interval, expected_waste
+from ft_checkpoint.interval import daly_interval, expected_waste
 
 log = logging.getLogger(__name__)
 
 FIRST_ADAPTIVE_SAVE = 60.0
-"""Seconds before the adaptive policy's first save, which measures what a save costs."""
+"""Seconds before the adaptive policy's first save, which measures what a save costs (early: the
+interval can only adapt once it is known, and a broken storage path shows within a minute)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -131,24 +133,33 @@ class AdaptiveInterval(EveryInterval):
     """Save at the interval that minimises expected wasted time, from measured cost and learned MTBF.
 
     The cost ``d`` of a save is what the training lost to it (the stall plus the slowdown of steps
-    while the write ran), smoothed over recent saves. The MTBF comes from a prior (``mtbf``, or a
+    while the write ran), smoothed over recent saves; until the first save has measured it, the
+    first save comes after ``FIRST_ADAPTIVE_SAVE``. The failure rate comes from a prior (``mtbf``, or a
     per-GPU failure rate times ``world_size``; default: Llama 3's rate) updated with this job's own
     failures and exposure (see ``failures``); a prior given as ``mtbf`` is trusted to within a factor
-    of 2, the published default to within a factor of 10. The interval minimises the expected waste of Daly's
-    model under the MTBF's posterior (Daly's optimum when the MTBF is certain), never shorter than a
-    save takes to become durable or than ``min_interval``, never longer than ``max_interval``.
-    Re-evaluated after every save and every resume; each change is logged with its reasons.
+    of 2, the published default to within a factor of 10. The interval is Daly's optimum for the
+    failure rate to expect now, the posterior mean (the Bayes decision: an interval's expected loss is,
+    to first order, linear in the rate). While the prior is wide and the job young that rate is well
+    above the typical one, so the interval is shorter; it lengthens with every hour survived and
+    converges to Daly's optimum as failures accumulate. Never shorter than a save takes to become
+    durable or than ``min_interval``, never longer than ``max_interval``. Re-evaluated after every
+    save and every resume (the running attempt's exposure read from ``clock``); each change is logged
+    with its reasons.
 
     Example:
         >>> p = AdaptiveInterval(mtbf="6h")
         >>> p.observe_save(cost=300.0, durable=400.0)
         >>> round(p.seconds / 60)     # Daly: 57 min for d = 5 min, M = 6 h (a little less: M is uncertain)
-        51
+        50
+        >>> p.observe_history(failures=10, exposure=60 * 3600.0)     # resumed after 10 failures in 60 h
+        >>> round(p.seconds / 60)     # the data agree with the prior: Daly's 57 min
+        57
     """
 
     def __init__(self, *, world_size: int = 1, mtbf: float | str | datetime.timedelta | None = None,
                  gpu_failure_rate: float | None = None, min_interval: float | str | datetime.timedelta | None = None,
-                 max_interval: float | str | datetime.timedelta | None = None, restart: float = 0.0) -> None:
+                 max_interval: float | str | datetime.timedelta | None = None, restart: float = 0.0,
+                 clock: Callable[[], float] = time.time) -> None:
         if mtbf is not None:  # the user's own figure: trusted to within a factor of 2
             self.model = FailureModel(prior_mtbf=parse_duration(mtbf), prior_spread=2.0)
         else:  # published data from another job: a factor of 10
@@ -156,18 +167,22 @@ class AdaptiveInterval(EveryInterval):
         self.min_seconds = parse_duration(min_interval) if min_interval is not None else 0.0
         self.max_seconds = parse_duration(max_interval) if max_interval is not None else math.inf
         self.restart = restart
+        self.clock = clock
         self.seconds = self._clamp(FIRST_ADAPTIVE_SAVE, 0.0)
         self.cost: float | None = None
         self.durable = 0.0
         self.failures, self.past_exposure = 0, 0.0
-        self._attempt_start = time.time()
+        self._attempt_start = clock()
         self._lock = threading.Lock()
         self.last_decision: dict[str, float] = {}
 
-    def observe_history(self, failures: int, exposure: float) -> None:
-        """This job's failures and exposure (seconds) before the running attempt (from the journal)."""
+    def observe_history(self, failures: int, exposure: float, cost: float | None = None) -> None:
+        """This job's failures and exposure (seconds) before the running attempt (from the journal),
+        and what a save cost it, when known (then this attempt needs no probe save to measure it)."""
+        if cost is not None and self.cost is None:
+            self.cost = cost
         self.failures, self.past_exposure = failures, exposure
-        self._attempt_start = time.time()
+        self._attempt_start = self.clock()
         self._recompute()
 
     def observe_save(self, cost: float, durable: float) -> None:
@@ -183,19 +198,18 @@ class AdaptiveInterval(EveryInterval):
         if self.cost is None:
             return
         with self._lock:
-            exposure = self.past_exposure + (time.time() - self._attempt_start)
-            xs, ws = self.model.posterior(self.failures, exposure, points=161)
-            mtbfs = [math.exp(-x) for x in xs]
-            tau = bayes_interval(self.cost, mtbfs, ws, restart=self.restart)
-            new = self._clamp(tau, self.durable)
+            exposure = self.past_exposure + (self.clock() - self._attempt_start)
             est = self.model.estimate(self.failures, exposure)
-            waste = sum(w * expected_waste(new, self.cost, m, self.restart) for m, w in zip(mtbfs, ws) if w > 1e-9)
-            self.last_decision = {"interval_s": new, "cost_s": self.cost, "mtbf_s": est.mtbf,
+            mtbf = 1 / est.rate  # the MTBF to plan for
+            new = self._clamp(daly_interval(self.cost, mtbf), self.durable)
+            waste = expected_waste(new, self.cost, mtbf, self.restart)
+            self.last_decision = {"interval_s": new, "cost_s": self.cost, "mtbf_s": mtbf,
                                   "failures": float(est.failures), "exposure_s": exposure, "expected_waste": waste}
             if abs(new - self.seconds) > 0.05 * self.seconds:
                 log.info("checkpoint interval %.0f s -> %.0f s: save cost d=%.2f s, MTBF M=%.3g h (%d failures "
-                         "in %.3g h, +/-%.0f%%), expected waste %.2f%%", self.seconds, new, self.cost,
-                         est.mtbf / 3600, est.failures, exposure / 3600, 100 * est.relative_uncertainty, 100 * waste)
+                         "in %.3g h; most likely %.3g h +/-%.0f%%), expected waste %.2f%%", self.seconds, new,
+                         self.cost, mtbf / 3600, est.failures, exposure / 3600, est.mtbf / 3600,
+                         100 * est.relative_uncertainty, 100 * waste)
             self.seconds = new
 
     def __repr__(self) -> str:
