@@ -10,8 +10,9 @@ A step is one of:
 - ``committed``: its ``manifest.json`` is valid and every file it lists has the listed size (``ls``
   checks sizes; ``verify`` also checksums);
 - ``partial``: no manifest, an interrupted save (or one still being written);
-- ``corrupt``: a manifest that is invalid, or lists a file that is missing or has the wrong size, or one
-  that a resume already quarantined (``manifest.json.skipped``).
+- ``corrupt``: a manifest that is invalid, or lists a file that is missing or has the wrong size, or a
+  directory that also holds a file the manifest does not list, or one that a resume already quarantined
+  (``manifest.json.skipped``).
 
 Example:
     >>> from ft_checkpoint.storage import Storage
@@ -31,7 +32,7 @@ from typing import Any
 
 from ft_checkpoint import layout
 from ft_checkpoint.errors import CheckpointCorruptError, StorageNotFoundError
-from ft_checkpoint.resume import SKIPPED_SUFFIX, read_manifest, verify_step
+from ft_checkpoint.resume import SKIPPED_SUFFIX, UNLISTED, read_manifest, verify_step
 from ft_checkpoint.retention import delete_step, list_steps, plan_deletions
 from ft_checkpoint.storage import Storage
 
@@ -158,7 +159,8 @@ def select_steps(listing: Listing, *, step: int | None = None, all_steps: bool =
 
 
 def check_step(storage: Storage, step: int, *, on_bytes: OnBytes | None = None) -> StepCheck:
-    """Check the manifest, then every file's size and checksum; collect every problem, naming each file.
+    """Check the manifest, every file's size and checksum, and for files it does not list; collect every
+    problem, naming each file.
 
     Example:
         >>> from ft_checkpoint.storage import Storage
@@ -180,6 +182,7 @@ def check_step(storage: Storage, step: int, *, on_bytes: OnBytes | None = None) 
         if problem:
             result.problems.append(f"{storage.url_of(f'{rel}/{name}')}: {problem}")
         result.bytes += entry.size
+    result.problems += [f"{storage.url_of(f'{rel}/{name}')}: {UNLISTED}" for name in manifest.unlisted(sizes)]
     return result
 
 

@@ -11,7 +11,8 @@
 
 A step exists for readers only if its ``manifest.json`` exists and verifies: every file it lists is
 present with the listed size (always checked) and checksum (checked for the files a reader is about
-to load). Everything else in a step directory is garbage from an interrupted save.
+to load), and the directory holds no other file (one left over or copied in could be read by a loader).
+A step directory without a manifest is garbage from an interrupted save.
 
 Example:
     >>> step_dir(1200)
@@ -106,6 +107,16 @@ class Manifest:
         """Bytes of all files of the step."""
         return sum(f.size for f in self.files.values())
 
+    def unlisted(self, names: Iterable[str]) -> list[str]:
+        """The names among ``names`` (a step directory's files) that this manifest does not list, itself aside.
+
+        Example:
+            >>> m = Manifest(step=1, world_size=1, files={"a.bin": FileEntry(size=1, checksum="sha256:0")})
+            >>> m.unlisted(["a.bin", "manifest.json", "stray.distcp"])
+            ['stray.distcp']
+        """
+        return sorted(set(names) - set(self.files) - {MANIFEST})
+
     def to_json(self) -> bytes:
         """Serialize (stable key order, readable)."""
         d = dataclasses.asdict(self)
@@ -116,8 +127,8 @@ class Manifest:
         """Parse and validate a manifest; raises CheckpointCorruptError saying what is wrong."""
         try:
             d = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointCorruptError(f"{where}: not valid JSON ({e})") from e
+        except (ValueError, RecursionError) as e:  # bad bytes or syntax, an endless number, deep nesting
+            raise CheckpointCorruptError(f"{where}: not valid JSON ({type(e).__name__}: {e})") from e
         if not isinstance(d, dict) or d.pop("format", None) != "ft-checkpoint":
             raise CheckpointCorruptError(f"{where}: not an ft-checkpoint manifest")
         version = d.get("format_version")

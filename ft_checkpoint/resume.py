@@ -2,9 +2,10 @@
 
 Rank 0 lists the step directories, newest first, and every rank gets the list; one without a manifest
 (an interrupted save) is skipped with a warning like any other that fails.
-For each candidate, every rank checks the manifest and every file's size, and the checksums of its
-share of the files (file ``i`` is hashed by rank ``i % world_size``, so the work is spread). The first
-step that passes everywhere wins. A step that fails is skipped with a warning naming it and the
+For each candidate, every rank checks the manifest, every file's size, that the directory holds no file
+the manifest does not list (a leftover or a copied-in file a loader could read), and the checksums of
+its share of the files (file ``i`` is hashed by rank ``i % world_size``, so the work is spread). The
+first step that passes everywhere wins. A step that fails is skipped with a warning naming it and the
 reason; its manifest is then renamed to ``manifest.json.skipped`` so that no later resume or retention
 takes it for a good step. A storage outage is not corruption: it raises, and nothing is skipped.
 
@@ -30,6 +31,7 @@ if TYPE_CHECKING:  # torch.distributed: kept out so that the CLI can read and ve
 
 log = logging.getLogger(__name__)
 SKIPPED_SUFFIX = ".skipped"
+UNLISTED = "not listed in the manifest (left over or copied in; a step must hold only what it committed)"
 
 
 def read_manifest(storage: Storage, step: int) -> layout.Manifest:
@@ -47,7 +49,7 @@ def read_manifest(storage: Storage, step: int) -> layout.Manifest:
 
 def verify_step(storage: Storage, step: int, *, checksums: bool = True, rank: int = 0,
                 world_size: int = 1) -> layout.Manifest:
-    """Check a step: manifest, every file's size, and checksums of this rank's share of the files.
+    """Check a step: manifest, every file's size, no file it does not list, checksums of this rank's share.
 
     Raises:
         CheckpointCorruptError: naming the first problem found.
@@ -60,6 +62,9 @@ def verify_step(storage: Storage, step: int, *, checksums: bool = True, rank: in
             raise CheckpointCorruptError(f"{name} is missing")
         if sizes[name] != entry.size:
             raise CheckpointCorruptError(f"{name} has {sizes[name]} bytes, the manifest says {entry.size} (truncated or replaced)")
+    unlisted = manifest.unlisted(sizes)
+    if unlisted:
+        raise CheckpointCorruptError(f"{', '.join(unlisted[:5])}{', ...' if len(unlisted) > 5 else ''}: {UNLISTED}")
     if checksums:
         for i, (name, entry) in enumerate(sorted(manifest.files.items())):
             if i % world_size == rank and layout.checksum(storage.iter_chunks(f"{rel}/{name}")) != entry.checksum:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pickle
 import pty
+import random
 import shutil
 import subprocess
 import sys
@@ -13,7 +14,8 @@ import sys
 import pytest
 
 from ft_checkpoint import layout
-from tests.cli.conftest import HANG_AT, INTERVAL, STEPS, cli, cli_json
+from ft_checkpoint.resume import UNLISTED
+from tests.cli.conftest import HANG_AT, INTERVAL, SCRIPT, STEPS, TIMEOUT, cli, cli_json
 
 DISTCP = "__0_0.distcp"
 
@@ -98,6 +100,33 @@ def test_a_quarantined_step_is_corrupt_and_verify_checks_what_a_resume_would_loa
     partial = cli("inspect", copy, "--step", STEPS)
     assert partial.returncode == 2 and "manifest.json is missing" in partial.stderr
     assert "ft-checkpoint ls" in partial.stderr
+
+
+def test_garbage_in_step_directories_is_reported_as_a_resume_then_skips_it(copy):
+    """Files the manifest does not list (step 40), garbage bytes in place of a manifest (step 30)."""
+    for name in ("__0_1.distcp", "notes.txt"):
+        shutil.copy(step_file(copy, STEPS), step_file(copy, STEPS, name))
+    with open(step_file(copy, 30, layout.MANIFEST), "wb") as f:
+        f.write(random.Random(0).randbytes(300))
+
+    bad = cli("verify", copy)
+    assert bad.returncode == 1 and f"step {STEPS}: CORRUPT" in bad.stdout
+    assert f"{step_file(copy, STEPS, 'notes.txt')}: {UNLISTED}" in bad.stdout
+    assert cli_json("verify", copy, rc=1)["steps"][0]["problems"] == [
+        f"{step_file(copy, STEPS, name)}: {UNLISTED}" for name in ("__0_1.distcp", "notes.txt")]
+    everything = cli_json("verify", copy, "--all", rc=1)
+    assert [(s["step"], s["ok"]) for s in everything["steps"]] == [(20, True), (30, False), (40, False)]
+    assert "manifest.json: not valid JSON" in everything["steps"][1]["problems"][0]
+    listing = cli_json("ls", copy)
+    assert [s["status"] for s in listing["steps"]] == ["committed", "corrupt", "corrupt"]
+    assert listing["resume_step"] == 20
+
+    resumed = subprocess.run([sys.executable, SCRIPT, copy, "--steps", "20"], capture_output=True, text=True,
+                             timeout=TIMEOUT)  # the real job: the same two steps skipped, the same one taken
+    assert "START 20" in resumed.stdout, resumed.stdout + resumed.stderr
+    skipped = [line for line in resumed.stderr.splitlines() if line.startswith("skipping step")]
+    assert len(skipped) == 2 and f"__0_1.distcp, notes.txt: {UNLISTED}" in skipped[0] and \
+        "not valid JSON" in skipped[1], resumed.stderr
 
 
 def test_report_shows_one_failure_and_the_steps_really_recomputed(local_run):

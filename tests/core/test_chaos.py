@@ -1,4 +1,5 @@
-"""A short run of the chaos benchmark: real processes, SIGKILLed at random moments, restarted to the end."""
+"""A short run of the chaos benchmark per framework: real training processes (the core loop, a Lightning
+Trainer, an Accelerate loop) SIGKILLed at random instants, restarted to the end, compared bit for bit."""
 
 from __future__ import annotations
 
@@ -6,14 +7,19 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 CHAOS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                      "benchmarks", "chaos.py")
 
 
-def test_chaos_core_short():
-    proc = subprocess.run([sys.executable, CHAOS, "--trials", "2", "--framework", "core", "--seed", "1"],
-                          capture_output=True, text=True, timeout=900)
+@pytest.mark.parametrize("framework", ["core", "lightning", "accelerate"])
+def test_chaos_short(framework):
+    if framework != "core":
+        pytest.importorskip(framework)
+    cmd = [sys.executable, CHAOS, "--trials", "2", "--max-kills", "2", "--framework", framework, "--seed", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    row = next(line for line in proc.stdout.splitlines() if line.startswith("core "))
+    row = next(line for line in proc.stdout.splitlines() if line.startswith(f"{framework} "))
     trials, kills, resumes, exact, lost, corrupt = map(int, row.split()[1:])
-    assert (trials, exact, lost, corrupt) == (2, 2, 0, 0) and kills >= 2 and resumes >= 1
+    assert (trials, exact, lost, corrupt) == (2, 2, 0, 0) and kills >= 2 and resumes >= 1, row

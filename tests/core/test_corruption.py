@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import random
 
 import pytest
 
 from ft_checkpoint import CheckpointManager, layout
+from ft_checkpoint.errors import CheckpointCorruptError
 from ft_checkpoint.storage import Storage
 from tests.helpers.toy import assert_same, make, train_step
 
@@ -30,11 +32,28 @@ def delete_shard(s: Storage, rel: str) -> None:
     s.delete(f"{rel}/__0_0.distcp")
 
 
+def garbage_manifest(s: Storage, rel: str) -> None:
+    s.write_bytes(f"{rel}/{layout.MANIFEST}", random.Random(0).randbytes(512))
+
+
+def stray_shard(s: Storage, rel: str) -> None:
+    """A shard the manifest does not list (left over, or copied in from elsewhere)."""
+    s.write_bytes(f"{rel}/__0_1.distcp", s.read_bytes(f"{rel}/__0_0.distcp"))
+
+
+def stray_rank_file(s: Storage, rel: str) -> None:
+    """The file rank 1 would load if the job grew to 2 ranks (rank files are found by listing)."""
+    s.write_bytes(f"{rel}/rank_00001.pt", s.read_bytes(f"{rel}/rank_00000.pt"))
+
+
 CORRUPTIONS = {
     truncate_shard: "__0_0.distcp has",
     flip_byte: "__0_0.distcp does not match its checksum",
     delete_manifest: "manifest.json is missing",
     delete_shard: "__0_0.distcp is missing",
+    garbage_manifest: "manifest.json: not valid JSON",
+    stray_shard: "__0_1.distcp: not listed in the manifest",
+    stray_rank_file: "rank_00001.pt: not listed in the manifest",
 }
 
 
@@ -82,3 +101,25 @@ def test_manifest_naming_paths_outside_its_step_is_refused(local_backend, caplog
     with CheckpointManager(local_backend.url) as ckpt:
         assert ckpt.resume(make()) == 1
     assert "not a plain name inside the step directory" in caplog.text
+
+
+@pytest.mark.parametrize("garbage", [b"[" * 100_000, b'{"format": ' + b"9" * 5000 + b"}", b"\xff\xfe\x00"],
+                         ids=["deep-nesting", "endless-number", "not-utf8"])
+def test_any_garbage_manifest_is_corrupt_never_a_crash(garbage):
+    """What json.loads raises besides JSONDecodeError (RecursionError, ValueError) is corruption too."""
+    with pytest.raises(CheckpointCorruptError, match="not valid JSON"):
+        layout.Manifest.from_json(garbage)
+
+
+def test_stray_metadata_makes_the_step_corrupt(local_backend, caplog):
+    """DCP falls back to a rank-local ``__0.metadata`` when ``.metadata`` cannot be read: never an unverified one."""
+    with CheckpointManager(local_backend.url, interval=1) as ckpt:
+        ckpt.save(1, make(), block=True)
+        ckpt.save(2, make(), block=True)
+    s = Storage(local_backend.url)
+    rel = layout.step_dir(2)
+    s.write_bytes(f"{rel}/__0.metadata", s.read_bytes(f"{rel}/.metadata"))
+    s.write_bytes(f"{rel}/notes.txt", b"hello")
+    with CheckpointManager(local_backend.url) as ckpt:
+        assert ckpt.resume(make()) == 1
+    assert "__0.metadata, notes.txt: not listed in the manifest" in caplog.text
