@@ -96,7 +96,8 @@ class PreemptionWatcher:
             self.requested, self.reason = True, sig.name
         if callable(previous):
             previous(signum, frame)
-        elif self._closed and previous == signal.SIG_DFL:  # closed but still installed (someone chained us)
+        elif self._closed and previous == signal.SIG_DFL and signal.getsignal(sig) == self._handle:
+            # closed, yet put back as the handler (Lightning restores the handlers it found): act as the default
             signal.signal(sig, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
 

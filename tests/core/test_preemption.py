@@ -75,6 +75,22 @@ def test_watcher_only_sets_a_flag_and_chains_the_previous_handler():
         signal.signal(signal.SIGUSR2, before)
 
 
+def test_a_closed_watcher_chained_by_a_newer_one_does_nothing():
+    """A closed watcher still reachable (a framework put it back, a newer one chained it) never kills."""
+    before = signal.getsignal(signal.SIGUSR2)
+    try:
+        signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+        old = PreemptionWatcher(["SIGUSR2"])
+        old.close()
+        signal.signal(signal.SIGUSR2, old._handle)  # as Lightning's teardown does with the handlers it found
+        newer = PreemptionWatcher(["SIGUSR2"])
+        os.kill(os.getpid(), signal.SIGUSR2)  # the default action would end this test process
+        assert newer.check() and not old.requested
+        newer.close()
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+
+
 def test_end_time_within_margin_is_a_notice():
     watcher = PreemptionWatcher([], end_time=time.time() + 600, margin=60)
     assert not watcher.check()
