@@ -25,6 +25,7 @@ import re
 from typing import Any
 
 from ft_checkpoint.errors import ConfigError
+from ft_checkpoint.preemption import parse_signal
 
 ENV_PREFIX = "FT_CHECKPOINT_"
 ENV_CONFIG_FILE = "FT_CHECKPOINT_CONFIG"
@@ -244,8 +245,6 @@ def _normalize_interval(value: Any) -> int | datetime.timedelta | str:
 
 
 def _normalize_signals(value: Any) -> tuple[str, ...]:
-    from ft_checkpoint.preemption import parse_signal
-
     if isinstance(value, str):
         value = [] if value.strip().lower() in ("", "none") else value.split(",")
     if not isinstance(value, (list, tuple)):
