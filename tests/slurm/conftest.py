@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import time
+from datetime import datetime, timedelta
 from collections.abc import Callable
 from typing import Any
 
@@ -44,9 +45,32 @@ class SlurmCluster:
         """``scontrol show job`` as a dict: ``JobState``, ``Restarts``, ``ExitCode``, ``Reason``, ..."""
         return dict(re.findall(r"(\w+)=(\S*)", self.run("scontrol", "show", "job", "--oneliner", job_id)))
 
+    def release(self, job_id: int) -> None:
+        """Start a requeued job now instead of after Slurm's requeue delay.
+
+        Not before the node is idle and the second of the requeue has passed: slurmd refuses to launch a
+        job id it killed in the same second ("Job N already killed, do not launch batch job"), and the
+        job then fails with exit code 1 before its script runs. Slurm's own delay exists to avoid that.
+        """
+        requeued = datetime.fromisoformat(self.job(job_id)["SubmitTime"])  # reset to the requeue's time
+        deadline = time.monotonic() + 60
+        while self.run("sinfo", "-h", "-N", "-o", "%T").split() != ["idle"] and time.monotonic() < deadline:
+            time.sleep(0.25)
+        while datetime.now() < requeued + timedelta(seconds=2):
+            time.sleep(0.25)
+        self.run("scontrol", "update", f"jobid={job_id}", "StartTime=now")
+
     def describe(self, job_id: int) -> str:
+        """The job's ``scontrol show job`` and the lines of the daemons' logs that name it, for a failure."""
         proc = subprocess.run(["scontrol", "show", "job", str(job_id)], capture_output=True, text=True, timeout=30)
-        return proc.stdout + proc.stderr
+        text = proc.stdout + proc.stderr
+        for name in ("slurmctld.log", "slurmd.log"):
+            path = os.path.join(os.environ.get("FT_SLURM_DIR", "/tmp/ft-slurm"), "log", name)
+            if os.path.exists(path):
+                with open(path, errors="replace") as f:
+                    lines = [line for line in f if re.search(rf"(?i)(jobid=|job |\[){job_id}\b", line)]
+                text += f"--- {path}, lines naming job {job_id}\n" + "".join(lines[-40:])
+        return text
 
     def wait(self, job_id: int, until: Callable[[dict[str, str]], bool], what: str, timeout: float) -> dict[str, str]:
         """Poll the job until ``until(job)``; fail naming ``what`` after ``timeout`` seconds."""

@@ -5,7 +5,7 @@ The job is ``examples/slurm/train.sbatch`` (the Lightning example's training job
 with ``--export=ALL`` so that it runs this venv's python on this checkout, in a working directory under
 ``tmp_path``. The preemption notice is what ``#SBATCH --signal=B:USR1@120`` sends before the time
 limit, sent at once: ``scancel --signal=USR1 --batch JOBID``. A requeued job waits for a begin time;
-``scontrol update jobid=N StartTime=now`` releases it.
+``scontrol update jobid=N StartTime=now`` releases it (``SlurmCluster.release``).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def test_preempted_job_saves_requeues_itself_and_resumes_bit_exact(slurm_cluster
         assert [(e["step"], e["reason"], e["requeue"]) for e in journaled] == [(final, "SIGUSR1", True)]
 
         # The second run: SLURM_RESTART_COUNT=1, resumed from the final checkpoint, the reference's weights.
-        slurm_cluster.run("scontrol", "update", f"jobid={job_id}", "StartTime=now")
+        slurm_cluster.release(job_id)
         job = slurm_cluster.wait(job_id, lambda job: job["JobState"] in ("COMPLETED", "FAILED", "CANCELLED"),
                                  "the requeued job to run to its end", RUN_TIMEOUT)
         done = True
