@@ -2,6 +2,7 @@
 
     python benchmarks/chaos.py --trials 100 --framework core
     python benchmarks/chaos.py --trials 30 --framework lightning     # or accelerate, or all
+    python benchmarks/chaos.py --trials 30 --transient-rate 0.1     # and 10% of storage calls fail
 
 Each trial runs one training job (CPU, one process, a save every 4 steps, the newest 2 kept) to
 completion through as many SIGKILLs as it takes. The job is one of:
@@ -23,11 +24,16 @@ step that had committed (else a checkpoint was *lost*), and the weights it loade
 uninterrupted run of the same job at that step (else the load was *corrupt*); at the end, the final
 weights must equal the uninterrupted run's bit for bit. Prints one table row per framework and exits
 1 on any failure (showing the failed trial's log).
+
+With ``--transient-rate R`` the checkpoint directory is ``faulty://`` (``ft_checkpoint.faults``): each
+storage call fails with a transient error at rate R, on top of the kills, and every save must still
+commit (``on_save_error="raise"``: a save that gives up crashes the run, which fails the trial).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import shutil
@@ -184,11 +190,19 @@ WORKERS = {"core": core, "lightning": lightning, "accelerate": accelerate}
 
 
 # -- the driver --------------------------------------------------------------------------------
+TRANSIENT_RATE = 0.0
+"""``--transient-rate``: the rate of injected transient storage errors in the workers."""
+
+
 def run(framework: str, tmp: str, *args: str) -> dict[str, Any]:
     """One training process on ``tmp/ckpt``, to its end or its SIGKILL; what it printed."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FT_CHECKPOINT_")}
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, __file__, "--worker", framework, os.path.join(tmp, "ckpt"), tmp, *args]
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", FT_CHECKPOINT_ON_SAVE_ERROR="raise")
+    ckpt = os.path.join(tmp, "ckpt")
+    if TRANSIENT_RATE:
+        ckpt = f"faulty://{ckpt}"
+        env["FT_CHECKPOINT_STORAGE_OPTIONS"] = json.dumps({"transient_rate": TRANSIENT_RATE})
+    cmd = [sys.executable, __file__, "--worker", framework, ckpt, tmp, *args]
     with open(os.path.join(tmp, "worker.log"), "a") as log:
         log.write(f"$ {' '.join(cmd[2:])}\n")
         log.flush()
@@ -269,6 +283,8 @@ def main() -> None:
     ap.add_argument("--framework", choices=[*FRAMEWORKS, "all"], default="core")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-kills", type=int, default=30, help="SIGKILLs per trial at most; then a run to the end")
+    ap.add_argument("--transient-rate", type=float, default=0.0,
+                    help="also fail this fraction of storage calls with a transient error (faulty://)")
     ap.add_argument("--worker", nargs=3, metavar=("FRAMEWORK", "CKPT", "OUT"), help=argparse.SUPPRESS)
     ap.add_argument("--aim", help=argparse.SUPPRESS)
     ap.add_argument("--skip", type=int, default=0, help=argparse.SUPPRESS)
@@ -279,6 +295,8 @@ def main() -> None:
         framework, ckpt, out = args.worker
         return WORKERS[framework](ckpt, Probe(out, args.aim, args.skip, args.delay, args.record))
 
+    global TRANSIENT_RATE
+    TRANSIENT_RATE = args.transient_rate
     rng = random.Random(args.seed)
     rows, ok = [], True
     for framework in FRAMEWORKS if args.framework == "all" else [args.framework]:
@@ -292,6 +310,8 @@ def main() -> None:
     for framework, t, _ in rows:
         print(f"{framework:<11}{args.trials:>7}{t['kills']:>7}{t['resumes']:>9}{t['exact']:>11}{t['lost']:>6}"
               f"{t['corrupt']:>9}")
+    if TRANSIENT_RATE:
+        print(f"with {TRANSIENT_RATE:.0%} of storage calls failing with a transient error")
     print("wall time: " + ", ".join(f"{framework} {seconds:.0f} s" for framework, _, seconds in rows))
     print("all runs bit-exact, no checkpoint lost, no corrupt load" if ok else "FAILURES above")
     sys.exit(0 if ok else 1)

@@ -89,6 +89,10 @@ def is_transient(exc: BaseException) -> bool:
 def make_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """Resolve ``url`` to ``(filesystem, root path)``, with errors that say what to fix.
 
+    The filesystem is a new instance, not fsspec's cached one: a transaction on an instance defers every
+    file opened on it until the transaction ends, and Lightning's ModelCheckpoint saves inside one on
+    the cached local filesystem while our writer thread may be writing a checkpoint.
+
     Example:
         >>> fs, root = make_filesystem("memory://doc/x")
         >>> root
@@ -97,7 +101,7 @@ def make_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> 
     if not isinstance(url, str) or not url.strip():
         raise ConfigError(f"dirpath={url!r}: must be a non-empty local path or fsspec URL such as gs://bucket/run")
     try:
-        return url_to_fs(os.path.expanduser(url), **(storage_options or {}))
+        return url_to_fs(os.path.expanduser(url), **{**(storage_options or {}), "skip_instance_cache": True})
     except ImportError as e:
         proto = url.split("://", 1)[0]
         extra = _EXTRAS.get(proto, "all")

@@ -23,3 +23,14 @@ def test_chaos_short(framework):
     row = next(line for line in proc.stdout.splitlines() if line.startswith(f"{framework} "))
     trials, kills, resumes, exact, lost, corrupt = map(int, row.split()[1:])
     assert (trials, exact, lost, corrupt) == (2, 2, 0, 0) and kills >= 2 and resumes >= 1, row
+
+
+def test_chaos_with_transient_storage_errors():
+    cmd = [sys.executable, CHAOS, "--trials", "1", "--max-kills", "3", "--framework", "core", "--seed", "2",
+           "--transient-rate", "0.1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "with 10% of storage calls failing" in proc.stdout
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("core "))
+    trials, kills, resumes, exact, lost, corrupt = map(int, row.split()[1:])
+    assert (trials, exact, lost, corrupt) == (1, 1, 0, 0) and kills >= 1, row

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fsspec
 import pytest
 
 from ft_checkpoint import CheckpointManager
@@ -24,8 +23,7 @@ def test_ten_percent_transient_errors_every_save_commits(tmp_path):
             ckpt.save(step, state)
         ckpt.wait()
         assert ckpt.failed_saves == 0 and ckpt.latest() == 10
-    fs = fsspec.filesystem("faulty", **options)
-    assert fs.injected > 10, "faults were injected"
+        assert ckpt.storage.fs.injected > 10, "faults were injected"
     for attempt in range(3):  # resume through the same faults, several times
         resumed = make(seed=3)
         with CheckpointManager(url, storage_options=options, retries=8) as ckpt:
@@ -40,15 +38,14 @@ def test_permanent_outage_warns_and_training_goes_on(tmp_path, caplog):
     ckpt = CheckpointManager(url, storage_options=options, interval=1, retries=2, on_save_error="warn")
     ckpt.storage.backoff = 0.001
     ckpt.save(1, state, block=True)
-    fs = fsspec.filesystem("faulty", **options)
-    fs.outage = True
+    ckpt.storage.fs.outage = True
     for step in (2, 3):
         train_step(state)
         ckpt.save(step, state)  # training goes on
     ckpt.wait()
     assert ckpt.failed_saves == 2 and caplog.text.count("CHECKPOINT SAVE FAILED") == 2
     assert "storage service may be down" in caplog.text or "injected outage" in caplog.text
-    fs.outage = False
+    ckpt.storage.fs.outage = False
     ckpt.close()
     with CheckpointManager(url, storage_options=options) as again:
         assert again.latest() == 1, "the committed step is untouched"
@@ -59,16 +56,11 @@ def test_permanent_outage_raises_by_default(tmp_path):
     ckpt = CheckpointManager(url, storage_options=options, interval=1, retries=2)
     ckpt.storage.backoff = 0.001
     ckpt.save(1, make(), block=True)
-    fsspec.filesystem("faulty", **options).outage = True
+    ckpt.storage.fs.outage = True
     ckpt.save(2, make())
     with pytest.raises(SaveError, match="injected outage"):
         ckpt.wait()
-    fsspec.filesystem("faulty", **options).outage = False
+    ckpt.storage.fs.outage = False
     ckpt.close()
     with pytest.raises(StorageError, match="injected outage"):
-        fs = fsspec.filesystem("faulty", **options)
-        fs.outage = True
-        try:
-            CheckpointManager(url, storage_options=options, retries=1)
-        finally:
-            fs.outage = False
+        CheckpointManager(url, storage_options={**options, "outage": True}, retries=1)

@@ -53,3 +53,20 @@ def test_resume_logs_one_line_either_way(local_backend, caplog):
     with CheckpointManager(local_backend.url) as ckpt:
         ckpt.resume(make())
     assert "resuming from step 3 (" in caplog.text and "verified and loaded in" in caplog.text
+
+
+def test_a_transaction_on_the_shared_local_filesystem_does_not_defer_our_writes(local_backend):
+    """Lightning's ModelCheckpoint writes inside ``fs.transaction`` on fsspec's cached LocalFileSystem, on
+    the main thread, while our writer thread may be saving: every file opened on that instance meanwhile
+    is deferred to a temporary file until the transaction ends, so DCP's ``.metadata.tmp`` rename failed.
+    The storage's own filesystem instance keeps our writes out of anyone else's transaction."""
+    import fsspec
+
+    state = make(seed=0)
+    shared = fsspec.filesystem("file")
+    with shared.transaction, shared.open(f"{local_backend.url}/other.ckpt", "wb") as f:
+        with CheckpointManager(local_backend.url, interval=1) as ckpt:
+            ckpt.save(4, state, block=True)
+        f.write(b"ModelCheckpoint's file")
+    with CheckpointManager(local_backend.url) as ckpt:
+        assert ckpt.resume(make(seed=1)) == 4
