@@ -271,7 +271,7 @@ class CheckpointManager:
                 out.update(durable_s=last.duration or 0.0, bytes=float(last.bytes or 0))
         out["failed_saves"] = float(self.failed_saves)
         if self.adaptive is not None:
-            out.update(self.adaptive.last_decision or {"interval_s": self.adaptive.seconds})
+            out.update(self.adaptive.last_decision)
         else:
             fixed = _find(self.policy, EveryInterval) or _find(self.policy, EveryNSteps)
             if isinstance(fixed, EveryInterval):

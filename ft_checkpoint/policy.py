@@ -29,9 +29,12 @@ from ft_checkpoint.interval import daly_interval, expected_waste
 
 log = logging.getLogger(__name__)
 
-FIRST_ADAPTIVE_SAVE = 60.0
-"""Seconds before the adaptive policy's first save, which measures what a save costs (early: the
-interval can only adapt once it is known, and a broken storage path shows within a minute)."""
+COST_GUESS = 60.0
+"""The save cost (seconds) the adaptive policy plans with until a save has measured it: one minute, the
+middle of the range seen in practice (seconds for small models, minutes for large ones). The first
+save then comes at Daly's optimum for that cost, not at once: a save right after the start would
+protect almost nothing, and for a costly state that is minutes of training lost to a mere probe.
+(The storage path is checked at the start anyway: the lease is written and read back there.)"""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -134,7 +137,7 @@ class AdaptiveInterval(EveryInterval):
 
     The cost ``d`` of a save is what the training lost to it (the stall plus the slowdown of steps
     while the write ran), smoothed over recent saves; until the first save has measured it, the
-    first save comes after ``FIRST_ADAPTIVE_SAVE``. The failure rate comes from a prior (``mtbf``, or a
+    interval plans for ``COST_GUESS``. The failure rate comes from a prior (``mtbf``, or a
     per-GPU failure rate times ``world_size``; default: Llama 3's rate) updated with this job's own
     failures and exposure (see ``failures``); a prior given as ``mtbf`` is trusted to within a factor
     of 2, the published default to within a factor of 10. The interval is Daly's optimum for the
@@ -168,13 +171,13 @@ class AdaptiveInterval(EveryInterval):
         self.max_seconds = parse_duration(max_interval) if max_interval is not None else math.inf
         self.restart = restart
         self.clock = clock
-        self.seconds = self._clamp(FIRST_ADAPTIVE_SAVE, 0.0)
         self.cost: float | None = None
         self.durable = 0.0
         self.failures, self.past_exposure = 0, 0.0
         self._attempt_start = clock()
         self._lock = threading.Lock()
-        self.last_decision: dict[str, float] = {}
+        self.last_decision = self._decide()
+        self.seconds = self.last_decision["interval_s"]
 
     def observe_history(self, failures: int, exposure: float, cost: float | None = None) -> None:
         """This job's failures and exposure (seconds) before the running attempt (from the journal),
@@ -194,26 +197,34 @@ class AdaptiveInterval(EveryInterval):
     def _clamp(self, seconds: float, durable: float) -> float:
         return min(self.max_seconds, max(seconds, self.min_seconds, durable))
 
+    def _decide(self) -> dict[str, float]:
+        """Daly's interval for the cost (measured, else ``COST_GUESS``) and the MTBF to expect now."""
+        cost = COST_GUESS if self.cost is None else self.cost
+        exposure = self.past_exposure + (self.clock() - self._attempt_start)
+        est = self.model.estimate(self.failures, exposure)
+        mtbf = 1 / est.rate  # the MTBF to plan for
+        interval = self._clamp(daly_interval(cost, mtbf), self.durable)
+        return {"interval_s": interval, "cost_s": cost, "mtbf_s": mtbf, "failures": float(est.failures),
+                "exposure_s": exposure, "expected_waste": expected_waste(interval, cost, mtbf, self.restart),
+                "most_likely_mtbf_s": est.mtbf, "relative_uncertainty": est.relative_uncertainty}
+
     def _recompute(self) -> None:
-        if self.cost is None:
-            return
         with self._lock:
-            exposure = self.past_exposure + (self.clock() - self._attempt_start)
-            est = self.model.estimate(self.failures, exposure)
-            mtbf = 1 / est.rate  # the MTBF to plan for
-            new = self._clamp(daly_interval(self.cost, mtbf), self.durable)
-            waste = expected_waste(new, self.cost, mtbf, self.restart)
-            self.last_decision = {"interval_s": new, "cost_s": self.cost, "mtbf_s": mtbf,
-                                  "failures": float(est.failures), "exposure_s": exposure, "expected_waste": waste}
-            if abs(new - self.seconds) > 0.05 * self.seconds:
-                log.info("checkpoint interval %.0f s -> %.0f s: save cost d=%.2f s, MTBF M=%.3g h (%d failures "
-                         "in %.3g h; most likely %.3g h +/-%.0f%%), expected waste %.2f%%", self.seconds, new,
-                         self.cost, mtbf / 3600, est.failures, exposure / 3600, est.mtbf / 3600,
-                         100 * est.relative_uncertainty, 100 * waste)
-            self.seconds = new
+            d = self.last_decision = self._decide()
+            if abs(d["interval_s"] - self.seconds) > 0.05 * self.seconds:
+                log.info("checkpoint interval %s s -> %s s: save cost d=%.2f s%s, MTBF M=%.3g h (%d failures "
+                         "in %.3g h; most likely %.3g h +/-%.0f%%), expected waste %.2f%%", _seconds(self.seconds),
+                         _seconds(d["interval_s"]), d["cost_s"], "" if self.cost is not None else " (a guess until measured)",
+                         d["mtbf_s"] / 3600, d["failures"], d["exposure_s"] / 3600, d["most_likely_mtbf_s"] / 3600,
+                         100 * d["relative_uncertainty"], 100 * d["expected_waste"])
+            self.seconds = d["interval_s"]
 
     def __repr__(self) -> str:
         return f"AdaptiveInterval({self.seconds:g}s)"
+
+
+def _seconds(x: float) -> str:
+    return f"{x:.0f}" if x >= 10 else f"{x:.2g}"
 
 
 def policy_from_interval(interval: int | datetime.timedelta | str, **adaptive: Any) -> SavePolicy:

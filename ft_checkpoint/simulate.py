@@ -10,8 +10,8 @@ mean), drawn from the seed alone, so every policy meets the same failures at the
   write, widened while the checkpoint overhead exceeds 5% (``tau = max(write, 20 d)``);
 - ``oracle``: Daly's optimum with the true MTBF;
 - ``ours``: :class:`~ft_checkpoint.policy.AdaptiveInterval`, learning the MTBF from no history (prior:
-  Llama 3's failure rate on ``world_size`` GPUs) and the cost from its first save (after
-  ``FIRST_ADAPTIVE_SAVE``), told the cost after a save and the failures and exposure at each restart.
+  Llama 3's failure rate on ``world_size`` GPUs) and the cost from its first save (planned with
+  ``COST_GUESS`` until then), told the cost after a save and the failures and exposure at each restart.
 
 Waste is the fraction of wall time that is not useful work: over a whole run (``all``), until the
 restart after the 5th failure (``before``: the same moment for every policy, since failures come in

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import re
+import time
 import uuid
 
 import pytest
@@ -14,6 +17,7 @@ from accelerate.tracking import GeneralTracker
 
 from accelerate_ft import FaultTolerantCheckpoint, FaultTolerantCheckpointPlugin
 from ft_checkpoint import CheckpointConfig, ConfigError
+from ft_checkpoint.policy import AdaptiveInterval
 
 EXAMPLE_YAML = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "accelerate_ft.yaml")
 
@@ -145,3 +149,26 @@ def test_resumes_at_construction_with_counters_and_scheduler(make_accelerator, c
     assert sched.get_last_lr() == pytest.approx([0.1 * 0.5**5])
     ft.close()
 
+
+
+def test_defaults_to_the_adaptive_interval_and_logs_its_decisions(make_accelerator, clean_env, caplog):
+    """No ``interval``: the adaptive one. With a 1 s MTBF its first save comes about 1 s in (planned with
+    the guessed cost), after which the measured cost shortens the interval; the log says why, and the
+    tracker gets the decision's numbers."""
+    caplog.set_level(logging.INFO, logger="ft_checkpoint")
+    tracker = MemoryTracker()
+    acc = make_accelerator(log_with=[tracker])
+    acc.init_trackers("ft-test")
+    model, opt, loader = prepared(acc, batches=10)
+    with FaultTolerantCheckpoint(acc, f"memory://accelerate-adaptive-{uuid.uuid4().hex}", mtbf="1s") as ft:
+        assert isinstance(ft.manager.adaptive, AdaptiveInterval)
+        for _ in ft.epochs(6):
+            for x in ft.batches(loader):
+                acc.backward(model(x).sum())
+                opt.step()
+                opt.zero_grad()
+                time.sleep(0.05)
+    assert re.search(r"checkpoint interval [\d.]+ s -> [\d.]+ s: save cost d=\d+\.\d+ s, MTBF M=", caplog.text)
+    decisions = [v for _, v in tracker.logged if "ft_checkpoint/mtbf_s" in v]
+    assert len(decisions) >= 2 and all(v["ft_checkpoint/interval_s"] > 0 for v in decisions)
+    assert decisions[-1]["ft_checkpoint/cost_s"] < 60  # measured, no longer the guess

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from ft_checkpoint import CheckpointManager
 from ft_checkpoint.failures import FailureModel, count_failures, prior_mtbf
 from ft_checkpoint.interval import daly_interval, expected_waste, young_interval
 from ft_checkpoint.journal import Journal, attempt_summaries
-from ft_checkpoint.policy import AdaptiveInterval, SaveContext
+from ft_checkpoint.policy import COST_GUESS, AdaptiveInterval, SaveContext
 from ft_checkpoint.simulate import POLICIES, _Fixed, _run, failure_times, simulate_scenario
 from ft_checkpoint.storage import Storage
 from tests.helpers.toy import make
@@ -113,7 +114,9 @@ def test_constraints_min_max_durable_and_one_in_flight():
 def test_interval_lengthens_with_exposure_and_shortens_after_failures():
     now = [0.0]
     p = AdaptiveInterval(world_size=1024, clock=lambda: now[0])
-    assert p.seconds == 60  # the probe: the first save measures the cost
+    guess = p.seconds  # the first save, planned with a guessed cost, measures it
+    assert p.last_decision["cost_s"] == COST_GUESS and guess == daly_interval(COST_GUESS, p.last_decision["mtbf_s"])
+    assert 10 * MIN < guess < 30 * MIN  # the prior's expected MTBF of a young 1024-GPU job: ~3.5 h
     p.observe_save(cost=60.0, durable=30.0)
     first = p.seconds
     now[0] = 10 * HOUR
@@ -137,19 +140,19 @@ def test_manager_defaults_to_adaptive_and_explains_itself(tmp_path, caplog):
         metrics = ckpt.metrics()
     assert {"interval_s", "mtbf_s", "cost_s", "expected_waste", "stall_s", "durable_s", "bytes"} <= set(metrics)
     assert metrics["interval_s"] >= metrics["durable_s"]
-    assert "checkpoint interval 60 s ->" in caplog.text and "MTBF M=" in caplog.text
+    assert re.search(r"checkpoint interval [\d.]+ s -> [\d.]+ s: save cost d=0\.\d+ s, MTBF M=", caplog.text), caplog.text
     assert "expected waste" in caplog.text
 
 
 def test_a_restarted_job_keeps_the_measured_save_cost(tmp_path):
-    """The cost a save measured is in the journal: the next attempt plans with it, no 60 s probe save."""
+    """The cost a save measured is in the journal: the next attempt plans with it, not with the guess."""
     url = str(tmp_path / "c")
     with CheckpointManager(url, mtbf="2h") as ckpt:
         ckpt.save(1, make(), block=True)
         cost = ckpt.adaptive.cost
     assert cost is not None
     with CheckpointManager(url, mtbf="2h") as again:
-        assert again.adaptive.cost == cost and again.adaptive.seconds != 60.0
+        assert again.adaptive.cost == cost and again.adaptive.last_decision["cost_s"] == cost != COST_GUESS
 
 
 def test_cli_plan_reproduces_daly():
