@@ -212,11 +212,12 @@ class AdaptiveInterval(EveryInterval):
         with self._lock:
             d = self.last_decision = self._decide()
             if abs(d["interval_s"] - self.seconds) > 0.05 * self.seconds:
+                guessed = "" if self.cost is not None else " (a guess until a save measures it)"
                 log.info("checkpoint interval %s s -> %s s: save cost d=%.2f s%s, MTBF M=%.3g h (%d failures "
                          "in %.3g h; most likely %.3g h +/-%.0f%%), expected waste %.2f%%", _seconds(self.seconds),
-                         _seconds(d["interval_s"]), d["cost_s"], "" if self.cost is not None else " (a guess until measured)",
-                         d["mtbf_s"] / 3600, d["failures"], d["exposure_s"] / 3600, d["most_likely_mtbf_s"] / 3600,
-                         100 * d["relative_uncertainty"], 100 * d["expected_waste"])
+                         _seconds(d["interval_s"]), d["cost_s"], guessed, d["mtbf_s"] / 3600, d["failures"],
+                         d["exposure_s"] / 3600, d["most_likely_mtbf_s"] / 3600, 100 * d["relative_uncertainty"],
+                         100 * d["expected_waste"])
             self.seconds = d["interval_s"]
 
     def __repr__(self) -> str:

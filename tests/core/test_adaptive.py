@@ -140,7 +140,7 @@ def test_manager_defaults_to_adaptive_and_explains_itself(tmp_path, caplog):
         metrics = ckpt.metrics()
     assert {"interval_s", "mtbf_s", "cost_s", "expected_waste", "stall_s", "durable_s", "bytes"} <= set(metrics)
     assert metrics["interval_s"] >= metrics["durable_s"]
-    assert re.search(r"checkpoint interval [\d.]+ s -> [\d.]+ s: save cost d=0\.\d+ s, MTBF M=", caplog.text), caplog.text
+    assert re.search(r"checkpoint interval [\d.]+ s -> [\d.]+ s: save cost d=0\.\d+ s, MTBF M=", caplog.text)
     assert "expected waste" in caplog.text
 
 
