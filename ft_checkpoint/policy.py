@@ -35,6 +35,11 @@ middle of the range seen in practice (seconds for small models, minutes for larg
 save then comes at Daly's optimum for that cost, not at once: a save right after the start would
 protect almost nothing, and for a costly state that is minutes of training lost to a mere probe.
 (The storage path is checked at the start anyway: the lease is written and read back there.)"""
+FIRST_SAVE_BY = 1800.0
+"""The latest the first save comes (seconds), while the cost is a guess: a small job's prior MTBF is
+months (one GPU at Llama 3's rate: years), and with a guessed minute its interval would be hours, where
+a measured cost of a tenth of a second gives half an hour; no job should run hours without a checkpoint
+only to learn that its saves are cheap."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -137,7 +142,7 @@ class AdaptiveInterval(EveryInterval):
 
     The cost ``d`` of a save is what the training lost to it (the stall plus the slowdown of steps
     while the write ran), smoothed over recent saves; until the first save has measured it, the
-    interval plans for ``COST_GUESS``. The failure rate comes from a prior (``mtbf``, or a
+    interval plans for ``COST_GUESS`` (and is at most ``FIRST_SAVE_BY``). The failure rate comes from a prior (``mtbf``, or a
     per-GPU failure rate times ``world_size``; default: Llama 3's rate) updated with this job's own
     failures and exposure (see ``failures``); a prior given as ``mtbf`` is trusted to within a factor
     of 2, the published default to within a factor of 10. The interval is Daly's optimum for the
@@ -203,7 +208,10 @@ class AdaptiveInterval(EveryInterval):
         exposure = self.past_exposure + (self.clock() - self._attempt_start)
         est = self.model.estimate(self.failures, exposure)
         mtbf = 1 / est.rate  # the MTBF to plan for
-        interval = self._clamp(daly_interval(cost, mtbf), self.durable)
+        planned = daly_interval(cost, mtbf)
+        if self.cost is None:
+            planned = min(planned, FIRST_SAVE_BY)
+        interval = self._clamp(planned, self.durable)
         return {"interval_s": interval, "cost_s": cost, "mtbf_s": mtbf, "failures": float(est.failures),
                 "exposure_s": exposure, "expected_waste": expected_waste(interval, cost, mtbf, self.restart),
                 "most_likely_mtbf_s": est.mtbf, "relative_uncertainty": est.relative_uncertainty}

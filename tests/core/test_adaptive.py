@@ -17,7 +17,7 @@ from ft_checkpoint import CheckpointManager
 from ft_checkpoint.failures import FailureModel, count_failures, prior_mtbf
 from ft_checkpoint.interval import daly_interval, expected_waste, young_interval
 from ft_checkpoint.journal import Journal, attempt_summaries
-from ft_checkpoint.policy import COST_GUESS, AdaptiveInterval, SaveContext
+from ft_checkpoint.policy import COST_GUESS, FIRST_SAVE_BY, AdaptiveInterval, SaveContext
 from ft_checkpoint.simulate import POLICIES, _Fixed, _run, failure_times, simulate_scenario
 from ft_checkpoint.storage import Storage
 from tests.helpers.toy import make
@@ -212,3 +212,14 @@ def test_cli_simulate_prints_the_criteria():
     assert cells[:4] == ["1", "h", "1", "min"]
     ours, best, ratio = map(float, cells[-6:-3])
     assert ratio == pytest.approx(ours / best, abs=2e-3)
+
+
+def test_the_first_save_of_a_small_job_comes_within_half_an_hour():
+    """One GPU at Llama 3's rate: a prior MTBF of years. Planned with the guessed minute the interval
+    would be hours; until a save has measured the cost it is at most ``FIRST_SAVE_BY``."""
+    p = AdaptiveInterval(world_size=1)
+    assert daly_interval(COST_GUESS, p.last_decision["mtbf_s"]) > 5 * HOUR
+    assert p.seconds == FIRST_SAVE_BY == 30 * MIN
+    p.observe_save(cost=0.1, durable=0.5)  # a cheap save: planned with the measured cost, uncapped
+    assert p.seconds == pytest.approx(daly_interval(0.1, p.last_decision["mtbf_s"]))
+    assert AdaptiveInterval(world_size=1, min_interval="1h").seconds == HOUR  # the user's bounds still win
