@@ -123,7 +123,7 @@ class CheckpointManager:
         summaries = attempt_summaries(self.storage)
         failures, exposure = count_failures(summaries)
         cost = next((s["save_cost"] for s in reversed(summaries) if s.get("save_cost") is not None), None)
-        self.adaptive.observe_history(failures, exposure, cost=cost)  # a known cost needs no probe save
+        self.adaptive.observe_history(failures, exposure, cost=cost)  # a known cost replaces the guess
         est = self.adaptive.model.estimate(failures, exposure)
         log.info("adaptive interval: %d failures in %.3g h of this job so far; MTBF estimate %.3g h (+/-%.0f%%)",
                  failures, exposure / 3600, est.mtbf / 3600, 100 * est.relative_uncertainty)
