@@ -39,7 +39,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -56,6 +56,7 @@ from ft_checkpoint.retention import delete_step
 from ft_checkpoint.state import merge_tree, split_tree
 from ft_checkpoint.storage import Storage, is_transient
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 # DCP warns on every single-process save and load; single process is a normal case here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -127,34 +128,54 @@ class _SafeUnpickler(pickle.Unpickler):
 
 
 class _StorageAdapter(_DCPFsspecAdapter):
-    """DCP's fsspec adapter on our storage's filesystem instance, renaming by copy + delete off local disk.
+    """DCP's fsspec adapter on our storage's filesystem instance: each operation retried on transient
+    errors, and renaming by copy + delete off local disk.
 
-    DCP writes ``.metadata.tmp`` and renames it. On object stores rename is a copy anyway, and gcsfs
-    first tries a ``moveTo`` call that some endpoints reject only after a long retry loop; our commit
-    does not rely on that rename (the manifest is the commit), so a plain copy + delete is enough.
+    DCP makes every open, rename and delete once: without retries here, one transient error among the
+    dozens of calls of a save fails the whole save, which the engine then retries whole. DCP writes
+    ``.metadata.tmp`` and renames it. On object stores rename is a copy anyway, and gcsfs first tries a
+    ``moveTo`` call that some endpoints reject only after a long retry loop; our commit does not rely on
+    that rename (the manifest is the commit), so a plain copy + delete is enough.
     """
 
     def __init__(self, storage: Storage) -> None:
         super().__init__()
+        self.storage = storage
         self.fs = storage.fs
         self._local = storage.is_local
         self._read_options = storage.read_options
 
+    def _retry(self, what: str, path: Any, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return self.storage.retrying(what, os.fspath(path), fn, *args, **kwargs)
+
     @contextlib.contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
-        if "r" not in mode or not self._read_options:
-            with super().create_stream(path, mode) as stream:
+        path = os.fspath(path)
+        options = self._read_options if "r" in mode else {}
+        with self._retry("open", path, self.fs.open, path, mode, **options) as stream:
+            try:
                 yield stream
-            return
-        with self.fs.open(os.fspath(path), mode, **self._read_options) as stream:
-            yield stream
+            except BaseException:
+                if any(ch in mode for ch in "w+a"):  # as DCP's adapter: no partial file left behind
+                    with contextlib.suppress(Exception):
+                        self.fs.rm(path)
+                raise
+
+    def mkdir(self, path: Any) -> None:
+        self._retry("create directory", path, self.fs.makedirs, path, exist_ok=True)
+
+    def exists(self, path: Any) -> bool:
+        return self._retry("check", path, self.fs.exists, path)
+
+    def rm_file(self, path: Any) -> None:
+        self._retry("delete", path, self.fs.rm, path)
 
     def rename(self, path: Any, new_path: Any) -> None:
         if self._local:
-            self.fs.mv(path, new_path)
+            self._retry("rename", path, self.fs.mv, path, new_path)
         else:
-            self.fs.copy(path, new_path)
-            self.fs.rm(path)
+            self._retry("copy", path, self.fs.copy, path, new_path)
+            self._retry("delete", path, self.fs.rm, path)
 
 
 def _writer(storage: Storage, url: str) -> FsspecWriter:

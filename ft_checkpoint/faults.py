@@ -1,9 +1,9 @@
 """A local filesystem that misbehaves on purpose: transient errors, latency spikes, a permanent outage.
 
 For tests and the chaos benchmark: point a checkpoint directory at ``faulty:///some/local/path`` and
-pass the faults as storage options. Every open, read, write, listing and delete may fail with a
-``ConnectionResetError`` (a transient error, retried by the storage layer and by whole-save retries)
-at ``transient_rate``, sleep ``latency`` seconds at ``latency_rate``, or, with ``outage=True``, always
+pass the faults as storage options. Every storage call (opening a file to read or write it, a
+listing, a delete) may fail with a ``ConnectionResetError`` (a transient error, retried by the
+storage layer) at ``transient_rate``, sleep ``latency`` seconds at ``latency_rate``, or, with ``outage=True``, always
 fail with ``ConnectionRefusedError``.
 
 Example:
@@ -62,13 +62,8 @@ class FaultyFileSystem(LocalFileSystem):
         self._fault(f"open {path}")
         return super()._open(path, mode, *args, **kwargs)
 
-    def cat_file(self, path: Any, *args: Any, **kwargs: Any) -> bytes:
-        self._fault(f"read {path}")
-        return super().cat_file(path, *args, **kwargs)
-
     def pipe_file(self, path: Any, value: bytes, *args: Any, **kwargs: Any) -> None:
-        self._fault(f"write {path}")
-        self.makedirs(self._parent(path), exist_ok=True)
+        self.makedirs(self._parent(path), exist_ok=True)  # its open may fail, as every open
         return super().pipe_file(path, value, *args, **kwargs)
 
     def ls(self, path: Any, detail: bool = False, **kwargs: Any) -> Any:

@@ -155,18 +155,22 @@ class Storage:
         return f"{self.url}/{rel}" if rel else self.url
 
     # -- retries and error translation ---------------------------------------------------------
-    def _call(self, what: str, rel: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    def retrying(self, what: str, where: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)``, retried on transient errors (the last one is raised as it is)."""
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(is_transient),
             stop=tenacity.stop_after_attempt(max(1, self.retries)),
             wait=tenacity.wait_random_exponential(multiplier=self.backoff, max=10),
             before_sleep=lambda rs: log.warning(
-                "%s %s failed (%s), retrying (attempt %d of %d)", what, self.url_of(rel),
+                "%s %s failed (%s), retrying (attempt %d of %d)", what, where,
                 rs.outcome.exception(), rs.attempt_number, self.retries),
             reraise=True,
         )
+        return retrying(fn, *args, **kwargs)
+
+    def _call(self, what: str, rel: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         try:
-            return retrying(fn, *args, **kwargs)
+            return self.retrying(what, self.url_of(rel), fn, *args, **kwargs)
         except Exception as e:
             raise self._translate(what, rel, e) from e
 
