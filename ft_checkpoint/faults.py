@@ -3,8 +3,8 @@
 For tests and the chaos benchmark: point a checkpoint directory at ``faulty:///some/local/path`` and
 pass the faults as storage options. Every storage call (opening a file to read or write it, a
 listing, a delete) may fail with a ``ConnectionResetError`` (a transient error, retried by the
-storage layer) at ``transient_rate``, sleep ``latency`` seconds at ``latency_rate``, or, with ``outage=True``, always
-fail with ``ConnectionRefusedError``.
+storage layer) at ``transient_rate``, sleep ``latency`` seconds at ``latency_rate``, or, with
+``outage=True``, always fail with ``ConnectionRefusedError``.
 
 Example:
     >>> from ft_checkpoint.storage import Storage
