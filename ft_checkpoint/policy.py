@@ -140,19 +140,19 @@ class OnPreemption(_Combinable):
 class AdaptiveInterval(EveryInterval):
     """Save at the interval that minimises expected wasted time, from measured cost and learned MTBF.
 
-    The cost ``d`` of a save is what the training lost to it (the stall plus the slowdown of steps
-    while the write ran), smoothed over recent saves; until the first save has measured it, the
-    interval plans for ``COST_GUESS`` (and is at most ``FIRST_SAVE_BY``). The failure rate comes from
-    a prior (``mtbf``, or a per-GPU failure rate times ``world_size``; default: Llama 3's rate) updated
-    with this job's own failures and exposure (see ``failures``); a prior given as ``mtbf`` is trusted
-    to within a factor of 2, the published default to within a factor of 10. The interval is Daly's optimum for the
-    failure rate to expect now, the posterior mean (the Bayes decision: an interval's expected loss is,
-    to first order, linear in the rate). While the prior is wide and the job young that rate is well
-    above the typical one, so the interval is shorter; it lengthens with every hour survived and
+    The cost ``d`` of a save is what the training lost to it (the stall plus the slowdown of steps while
+    the write ran), smoothed over recent saves; until the first save has measured it, the interval plans
+    for ``COST_GUESS`` (and is at most ``FIRST_SAVE_BY``). The failure rate comes from a prior
+    (``mtbf``, or a per-GPU failure rate times ``world_size``; default: Llama 3's rate) updated with
+    this job's own failures and exposure (see ``failures``); a prior given as ``mtbf`` is trusted to
+    within a factor of 2, the published default to within a factor of 10. The interval is Daly's optimum
+    for the failure rate to expect now, the posterior mean (the Bayes decision: an interval's expected
+    loss is, to first order, linear in the rate). While the prior is wide and the job young that rate is
+    well above the typical one, so the interval is shorter; it lengthens with every hour survived and
     converges to Daly's optimum as failures accumulate. Never shorter than a save takes to become
-    durable or than ``min_interval``, never longer than ``max_interval``. Re-evaluated after every
-    save and every resume (the running attempt's exposure read from ``clock``); each change is logged
-    with its reasons.
+    durable or than ``min_interval``, never longer than ``max_interval``. Re-evaluated after every save
+    and every resume (the running attempt's exposure read from ``clock``); each change is logged with
+    its reasons.
 
     Example:
         >>> p = AdaptiveInterval(mtbf="6h")
