@@ -142,8 +142,6 @@ class _StorageAdapter(_DCPFsspecAdapter):
         super().__init__()
         self.storage = storage
         self.fs = storage.fs
-        self._local = storage.is_local
-        self._read_options = storage.read_options
 
     def _retry(self, what: str, path: Any, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return self.storage.retrying(what, os.fspath(path), fn, *args, **kwargs)
@@ -151,7 +149,7 @@ class _StorageAdapter(_DCPFsspecAdapter):
     @contextlib.contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
         path = os.fspath(path)
-        options = self._read_options if "r" in mode else {}
+        options = self.storage.read_options if "r" in mode else {}
         with self._retry("open", path, self.fs.open, path, mode, **options) as stream:
             try:
                 yield stream
@@ -171,7 +169,7 @@ class _StorageAdapter(_DCPFsspecAdapter):
         self._retry("delete", path, self.fs.rm, path)
 
     def rename(self, path: Any, new_path: Any) -> None:
-        if self._local:
+        if self.storage.is_local:
             self._retry("rename", path, self.fs.mv, path, new_path)
         else:
             self._retry("copy", path, self.fs.copy, path, new_path)
