@@ -34,8 +34,7 @@ _EXPORTS = {
     "Manifest": "ft_checkpoint.layout",
     "Journal": "ft_checkpoint.journal",
     "read_journal": "ft_checkpoint.journal",
-    "verify_step": "ft_checkpoint.resume",
-    "find_resume_step": "ft_checkpoint.resume",
+    "check_step": "ft_checkpoint.layout",
     "apply_retention": "ft_checkpoint.retention",
     "FTCheckpointError": "ft_checkpoint.errors",
     "ConfigError": "ft_checkpoint.errors",
@@ -43,6 +42,8 @@ _EXPORTS = {
     "CheckpointCorruptError": "ft_checkpoint.errors",
     "SaveError": "ft_checkpoint.errors",
     "LeaseError": "ft_checkpoint.errors",
+    "StateMismatchError": "ft_checkpoint.errors",
+    "Preempted": "ft_checkpoint.errors",
 }
 __all__ = ["__version__", *_EXPORTS]
 
@@ -54,14 +55,15 @@ if TYPE_CHECKING:
         ConfigError,
         FTCheckpointError,
         LeaseError,
+        Preempted,
         SaveError,
+        StateMismatchError,
         StorageError,
     )
     from ft_checkpoint.journal import Journal, read_journal
-    from ft_checkpoint.layout import Manifest
+    from ft_checkpoint.layout import Manifest, check_step
     from ft_checkpoint.manager import CheckpointManager
     from ft_checkpoint.policy import AnyOf, EveryInterval, EveryNSteps, OnPreemption, SaveContext, SavePolicy
-    from ft_checkpoint.resume import find_resume_step, verify_step
     from ft_checkpoint.retention import apply_retention
     from ft_checkpoint.storage import Storage
 

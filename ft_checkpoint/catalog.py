@@ -26,19 +26,16 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import io
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
-from ft_checkpoint import layout
+from ft_checkpoint import checksum, layout, tensor_metadata
 from ft_checkpoint.errors import CheckpointCorruptError, StorageNotFoundError
-from ft_checkpoint.resume import SKIPPED_SUFFIX, UNLISTED, read_manifest, verify_step
-from ft_checkpoint.retention import delete_step, list_steps, plan_deletions
+from ft_checkpoint.layout import OnBytes, StepCheck
+from ft_checkpoint.retention import plan_deletions
 from ft_checkpoint.storage import Storage
 
 COMMITTED, PARTIAL, CORRUPT = "committed", "partial", "corrupt"
-OnBytes = Callable[[int], None]
-"""Called with the number of bytes just read (drives a progress bar)."""
 
 
 @dataclasses.dataclass
@@ -91,22 +88,18 @@ def describe_step(storage: Storage, step: int) -> StepInfo:
     """
     sizes = storage.sizes(layout.step_dir(step))
     info = StepInfo(step=step, status=PARTIAL, bytes=sum(sizes.values()), files=len(sizes))
-    if layout.MANIFEST in sizes:
-        try:
-            manifest = verify_step(storage, step, checksums=False)
-        except CheckpointCorruptError as e:
-            info.status, info.reason, info.manifest = CORRUPT, str(e), True
-            return info
-        return StepInfo(step=step, status=COMMITTED, bytes=manifest.total_bytes, files=len(manifest.files),
-                        time=manifest.time, world_size=manifest.world_size, epoch=manifest.epoch, manifest=True)
-    if layout.MANIFEST + SKIPPED_SUFFIX in sizes:
-        info.status, info.reason = CORRUPT, _QUARANTINED
-    else:
-        info.reason = "no manifest.json: an interrupted save, or one still being written"
-    return info
-
-
-_QUARANTINED = "quarantined: a resume found it corrupt and renamed its manifest to manifest.json.skipped"
+    if layout.MANIFEST not in sizes:
+        quarantined = layout.MANIFEST + layout.SKIPPED_SUFFIX in sizes
+        info.status = CORRUPT if quarantined else PARTIAL
+        info.reason = layout.QUARANTINED if quarantined else "no manifest.json: an interrupted save, or one still being written"
+        return info
+    check = layout.check_step(storage, step)
+    if not check.ok or check.manifest is None:
+        info.status, info.reason, info.manifest = CORRUPT, "; ".join(check.problems), True
+        return info
+    m = check.manifest
+    return StepInfo(step=step, status=COMMITTED, bytes=m.total_bytes, files=len(m.files), time=m.time,
+                    world_size=m.world_size, epoch=m.epoch, manifest=True)
 
 
 def list_checkpoints(storage: Storage) -> Listing:
@@ -117,30 +110,12 @@ def list_checkpoints(storage: Storage) -> Listing:
         >>> list_checkpoints(Storage("memory://doc/empty-listing")).steps
         []
     """
-    infos = [describe_step(storage, step) for step in sorted(list_steps(storage))]
+    infos = [describe_step(storage, step) for step in sorted(layout.list_steps(storage))]
     committed = [i.step for i in infos if i.status == COMMITTED]
     return Listing(url=storage.url, steps=infos, resume_step=max(committed, default=None))
 
 
 # -- verify ------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class StepCheck:
-    """The outcome of checking one step: every problem names the file."""
-
-    step: int
-    files: int = 0
-    bytes: int = 0
-    problems: list[str] = dataclasses.field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "ok": self.ok, "files": self.files, "bytes": self.bytes,
-                "problems": list(self.problems)}
-
-
 def select_steps(listing: Listing, *, step: int | None = None, all_steps: bool = False) -> list[int]:
     """What ``verify`` checks: ``step``; with ``all_steps`` every step but partial ones (quarantined ones
     too); else the newest step that has a manifest (what a resume tries first).
@@ -159,59 +134,39 @@ def select_steps(listing: Listing, *, step: int | None = None, all_steps: bool =
 
 
 def check_step(storage: Storage, step: int, *, on_bytes: OnBytes | None = None) -> StepCheck:
-    """Check the manifest, every file's size and checksum, and for files it does not list; collect every
-    problem, naming each file.
+    """Check the manifest, every file's size, kind and checksum, for files it does not list, and (format 2)
+    the tensor metadata against the manifest; collect every problem, each naming the file by its URL.
 
     Example:
         >>> from ft_checkpoint.storage import Storage
         >>> check_step(Storage("memory://doc/check"), 7).problems
-        ['memory://doc/check/step_000000000007/manifest.json: manifest.json is missing']
+        ['memory://doc/check/step_000000000007/manifest.json is missing']
     """
-    rel = layout.step_dir(step)
-    result = StepCheck(step=step)
-    try:
-        manifest = read_manifest(storage, step)
-    except CheckpointCorruptError as e:
-        quarantined = storage.exists(f"{rel}/{layout.MANIFEST}{SKIPPED_SUFFIX}")
-        result.problems.append(f"{storage.url_of(f'{rel}/{layout.MANIFEST}')}: {_QUARANTINED if quarantined else e}")
-        return result
-    sizes = storage.sizes(rel)
-    for name, entry in sorted(manifest.files.items()):
-        result.files += 1
-        problem = _file_problem(storage, f"{rel}/{name}", entry, sizes.get(name), on_bytes)
-        if problem:
-            result.problems.append(f"{storage.url_of(f'{rel}/{name}')}: {problem}")
-        result.bytes += entry.size
-    result.problems += [f"{storage.url_of(f'{rel}/{name}')}: {UNLISTED}" for name in manifest.unlisted(sizes)]
-    return result
+    check = layout.check_step(storage, step, checksums=True, on_bytes=on_bytes)
+    if check.ok and check.manifest is not None and check.manifest.format_version >= 2:
+        try:
+            tensor_metadata.parse(storage.read_bytes(f"{layout.step_dir(step)}/{layout.METADATA}"),
+                                  tensor_metadata.data_files(check.manifest.files))
+        except CheckpointCorruptError as e:
+            check.problems.append(str(e))
+    prefix = storage.url_of(layout.step_dir(step))
+    check.problems = [p if p.startswith(prefix) else f"{prefix}/{p}" if _names_a_file(p) else f"{prefix}: {p}"
+                      for p in check.problems]
+    return check
 
 
-def _file_problem(storage: Storage, rel: str, entry: layout.FileEntry, size: int | None,
-                  on_bytes: OnBytes | None) -> str | None:
-    if size is None or size != entry.size:
-        if on_bytes is not None:
-            on_bytes(entry.size)  # not read, but done: keeps a progress bar honest
-        if size is None:
-            return "missing"
-        return f"has {size} bytes, the manifest says {entry.size} (truncated or replaced)"
-    if layout.checksum(_counted(storage.iter_chunks(rel), on_bytes)) != entry.checksum:
-        return "does not match its checksum (corrupted)"
-    return None
-
-
-def _counted(chunks: Iterable[bytes], on_bytes: OnBytes | None) -> Iterator[bytes]:
-    for chunk in chunks:
-        if on_bytes is not None:
-            on_bytes(len(chunk))
-        yield chunk
+def _names_a_file(problem: str) -> bool:
+    name = problem.split(":", 1)[0].split(" ", 1)[0]
+    return name == layout.MANIFEST or layout.is_plain_name(name)
 
 
 # -- inspect -----------------------------------------------------------------------------------
 def inspect_step(storage: Storage, step: int) -> dict[str, Any]:
-    """The manifest of ``step`` and its tensors (name, shape, dtype, bytes) from DCP's ``.metadata``.
+    """The manifest of ``step`` and its tensors (name, shape, dtype, bytes, chunks) from its tensor metadata.
 
-    ``.metadata`` is checked against its manifest checksum, then read by the allowlist unpickler of a
-    resume, which refuses any class that is not checkpoint metadata. No tensor data is read.
+    The metadata is checked against its manifest checksum first; ``metadata.json`` (format 2) is plain
+    JSON, checked as a resume checks it, and needs no torch. A format-1 ``.metadata`` is read by the
+    allowlist unpickler of a resume (this needs torch). No tensor data is read.
 
     Example:
         >>> import torch
@@ -222,58 +177,35 @@ def inspect_step(storage: Storage, step: int) -> dict[str, Any]:
         >>> info["tensors"]
         [{'name': 'w', 'shape': [2, 4], 'dtype': 'float32', 'bytes': 32, 'chunks': 1}]
     """
+    where = storage.url_of(layout.step_dir(step))
     try:
-        manifest = read_manifest(storage, step)
+        manifest = layout.read_manifest(storage, step)
+        name = layout.METADATA if manifest.format_version >= 2 else ".metadata"
+        entry = manifest.files.get(name)
+        if entry is None:
+            raise CheckpointCorruptError(f"the manifest lists no {name}")
+        data = storage.read_bytes(f"{layout.step_dir(step)}/{name}")
+        if len(data) != entry.size or not checksum.matches(entry.checksum, [data]):
+            raise CheckpointCorruptError(f"{name} does not match its checksum (corrupted); refusing to read it. "
+                                         "HINT: run ft-checkpoint verify")
+        tensors = _describe(manifest, data)
     except CheckpointCorruptError as e:
-        raise CheckpointCorruptError(f"{storage.url_of(layout.step_dir(step))}: {e}. HINT: 'ft-checkpoint ls' "
-                                     "shows which steps are committed") from e
-    rel = f"{layout.step_dir(step)}/.metadata"
-    entry = manifest.files.get(".metadata")
-    if entry is None:
-        raise CheckpointCorruptError(f"{storage.url_of(layout.step_dir(step))}: the manifest lists no .metadata; "
-                                     "this step was not written by ft-checkpoint's DCP engine")
-    data = storage.read_bytes(rel)
-    if layout.checksum([data]) != entry.checksum:
-        raise CheckpointCorruptError(f"{storage.url_of(rel)}: does not match its checksum (corrupted); "
-                                     "refusing to read it. HINT: run ft-checkpoint verify")
-    manifest_dict = dataclasses.asdict(manifest)
-    return {"url": storage.url_of(layout.step_dir(step)), "step": step, "manifest": manifest_dict,
-            **_describe_metadata(_load_metadata(data, storage.url_of(rel)))}
+        raise CheckpointCorruptError(f"{where}: {e}. HINT: 'ft-checkpoint ls' shows which steps are committed, "
+                                     "'ft-checkpoint verify' what is wrong") from e
+    return {"url": where, "step": step, "manifest": dataclasses.asdict(manifest), "tensors": tensors}
 
 
-def _load_metadata(data: bytes, where: str) -> Any:
-    import pickle
+def _describe(manifest: layout.Manifest, data: bytes) -> list[dict[str, Any]]:
+    if manifest.format_version >= 2:
+        tensors = tensor_metadata.parse(data, tensor_metadata.data_files(manifest.files))
+        return [{"name": name, "shape": list(t.size), "dtype": t.dtype, "bytes": t.nbytes, "chunks": len(t.chunks)}
+                for name, t in sorted(tensors.items())]
+    from ft_checkpoint import legacy  # format 1: a pickle, read through the allowlist (needs torch)
 
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    from ft_checkpoint.engine import _SafeUnpickler
-
-    try:
-        metadata = _SafeUnpickler(io.BytesIO(data)).load()
-    except CheckpointCorruptError as e:
-        raise CheckpointCorruptError(f"{where}: {e}") from e
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
-        raise CheckpointCorruptError(f"{where}: cannot be read ({type(e).__name__}: {e})") from e
-    if not isinstance(metadata, Metadata):
-        raise CheckpointCorruptError(f"{where}: holds a {type(metadata).__name__}, not DCP metadata")
-    return metadata
-
-
-def _describe_metadata(metadata: Any) -> dict[str, Any]:
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    tensors, other = [], []
-    for name, md in sorted(metadata.state_dict_metadata.items()):
-        if isinstance(md, TensorStorageMetadata):
-            shape = [int(d) for d in md.size]
-            numel = 1
-            for d in shape:
-                numel *= d
-            tensors.append({"name": name, "shape": shape, "dtype": str(md.properties.dtype).removeprefix("torch."),
-                            "bytes": numel * md.properties.dtype.itemsize, "chunks": len(md.chunks)})
-        else:
-            other.append({"name": name, "kind": type(md).__name__})
-    return {"tensors": tensors, "other": other}
+    metadata = legacy.parse_metadata(data, manifest)
+    return [{"name": name, "shape": [int(d) for d in md.size], "dtype": str(md.properties.dtype).removeprefix("torch."),
+             "bytes": md.size.numel() * md.properties.dtype.itemsize, "chunks": len(md.chunks)}
+            for name, md in sorted(metadata.state_dict_metadata.items())]
 
 
 # -- gc ----------------------------------------------------------------------------------------
@@ -301,9 +233,10 @@ def plan_gc(storage: Storage, *, keep_last: int, keep_every_n_steps: int | None 
         >>> plan_gc(s, keep_last=1).delete   # nothing has committed: nothing is deleted
         []
     """
-    steps = list_steps(storage)
-    doomed = plan_deletions(steps, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps)
-    protected = newest_verified(storage, sorted((s for s, ok in steps.items() if ok), reverse=True), on_bytes)
+    steps = layout.list_steps(storage)
+    committed = set(layout.committed_steps(storage, steps))
+    doomed = plan_deletions({s: s in committed for s in steps}, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps)
+    protected = newest_verified(storage, sorted(committed, reverse=True), on_bytes)
     delete = [s for s in doomed if s != protected]
     return GcPlan(url=storage.url, delete=delete, keep=sorted(set(steps) - set(delete)), protected=protected)
 
@@ -319,4 +252,4 @@ def newest_verified(storage: Storage, candidates: Iterable[int], on_bytes: OnByt
 def apply_gc(storage: Storage, plan: GcPlan) -> None:
     """Delete the steps of ``plan``, each manifest first (a crash halfway leaves garbage, not a bad commit)."""
     for step in plan.delete:
-        delete_step(storage, step)
+        layout.delete_step(storage, step)

@@ -292,11 +292,10 @@ def _inspect_lines(info: dict[str, Any]) -> list[str]:
     lines += [f"  {name:<24}{human_bytes(f['size']):>10}  {f['checksum'][:23]}..."
               for name, f in sorted(m["files"].items())]
     lines.append(f"tensors ({len(tensors)}, {human_bytes(sum(t['bytes'] for t in tensors))}; "
-                 "from .metadata, no data read):")
+                 "from the tensor metadata, no data read):")
     lines.append(f"  {'name':<{width}}{'dtype':<10}{'shape':<20}{'size':>9}")
     lines += [f"  {t['name']:<{width}}{t['dtype']:<10}{str(t['shape']):<20}{human_bytes(t['bytes']):>9}"
               for t in tensors]
-    lines += [f"  {o['name']:<{width}}({o['kind']})" for o in info["other"]]
     return lines
 
 

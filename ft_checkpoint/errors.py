@@ -66,3 +66,8 @@ class Preempted(SystemExit):
         """The step of the final checkpoint (None if none committed)."""
         self.reason = reason
         """What announced the preemption: a signal name, or ``"job end time"``."""
+
+
+class StateMismatchError(ConfigError):
+    """A checkpoint does not fit the state it is loaded into (a key missing, another shape or dtype), or a
+    state cannot be saved as given (a tensor declared replicated differs across ranks)."""

@@ -74,5 +74,9 @@ class FaultyFileSystem(LocalFileSystem):
         self._fault(f"delete {path}")
         return super().rm(path, recursive=recursive, maxdepth=maxdepth)
 
+    def rm_file(self, path: Any) -> None:
+        self._fault(f"delete {path}")
+        return super().rm_file(path)
+
 
 fsspec.register_implementation("faulty", FaultyFileSystem, clobber=True)

@@ -1,62 +1,87 @@
-"""Layout of a checkpoint directory, and the manifest that commits a step.
+"""Step directories: their names, the manifest that commits one, and listing, checking and deleting them.
 
 ::
 
     <dirpath>/
       step_000000001200/          one directory per step, zero-padded so names sort by step
-        __0_0.distcp  __1_0.distcp  .metadata    DCP's shards and metadata
+        __0_0.distcp  __1_0.distcp               tensor data, raw bytes (one or more files per rank)
+        metadata.json                            where each tensor chunk lies, with its CRC-32C (rank 0)
         rank_00000.pt  rank_00001.pt             per-rank non-tensor state and RNG (weights-only)
         manifest.json                            the commit marker: written last, by rank 0
       journal/<attempt>/<seq>-<event>.json       what happened to the run (see ``journal``)
 
-A step exists for readers only if its ``manifest.json`` exists and verifies: every file it lists is
-present with the listed size (always checked) and checksum (checked for the files a reader is about
-to load), and the directory holds no other file (one left over or copied in could be read by a loader).
-A step directory without a manifest is garbage from an interrupted save.
+A step exists for readers only if its ``manifest.json`` exists and checks: strictly typed fields, every
+file it lists present with the listed size, no other file in the directory (one left over or copied in
+could be read by a loader), no symbolic link. Checksums are verified as the bytes are read (see
+``dcp_format``). A step directory without a manifest is garbage from an interrupted save. Only real
+directories named ``step_`` + 12 ASCII digits are steps: a file, a symbolic link or another name is
+not ours, and nothing here reads, follows or deletes it. Format 1 (before CRC-32C and ``metadata.json``:
+DCP's own shard format, pickled ``.metadata``, SHA-256) keeps loading.
 
 Example:
     >>> step_dir(1200)
     'step_000000001200'
-    >>> parse_step("step_000000001200"), parse_step("step_12.tmp")
-    (1200, None)
+    >>> parse_step("step_000000001200"), parse_step("step_12.tmp"), parse_step("step_٠٠٠٠٠٠٠٠٠٠١٢")
+    (1200, None, None)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
+import logging
+import math
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from ft_checkpoint.errors import CheckpointCorruptError
+from ft_checkpoint import checksum as crc
+from ft_checkpoint.errors import CheckpointCorruptError, StorageNotFoundError
+from ft_checkpoint.storage import Storage
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+METADATA = "metadata.json"  # see tensor_metadata
 JOURNAL_DIR = "journal"
-FORMAT_VERSION = 1
-CHECKSUM_ALGO = "sha256"
-_STEP_RE = re.compile(r"^step_(\d{12})$")
-_SAFE_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+FORMAT_VERSION = 2
+"""2: raw tensor bytes, ``metadata.json``, CRC-32C. 1: DCP's FileSystemWriter format, SHA-256 (still read)."""
+SKIPPED_SUFFIX = ".skipped"
+MAX_STEP = 10**12
+_STEP_RE = re.compile(r"step_([0-9]{12})", re.ASCII)
+_SAFE_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+", re.ASCII)
+UNLISTED = "not listed in the manifest (left over or copied in; a step must hold only what it committed)"
+QUARANTINED = "quarantined: a resume found it corrupt and renamed its manifest to manifest.json.skipped"
 
 
 def step_dir(step: int) -> str:
     """The directory name of ``step``."""
-    if step < 0 or step >= 10**12:
-        raise ValueError(f"step={step}: must be in [0, 10**12)")
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < MAX_STEP:
+        raise ValueError(f"step={step!r}: must be an integer in [0, 10**12)")
     return f"step_{step:012d}"
 
 
 def parse_step(name: str) -> int | None:
-    """The step of a step directory name, or None for anything else."""
-    m = _STEP_RE.match(name)
+    """The step of a step directory name (ASCII digits only), or None for anything else."""
+    m = _STEP_RE.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
 def rank_file(rank: int) -> str:
     """The name of rank ``rank``'s non-tensor state file."""
     return f"rank_{rank:05d}.pt"
+
+
+def is_plain_name(name: Any) -> bool:
+    """Whether ``name`` is a plain file name inside a step directory (no path, no ``..``, not the manifest).
+
+    Example:
+        >>> is_plain_name("__0_0.distcp"), is_plain_name("../x"), is_plain_name("/etc/passwd"), is_plain_name("..")
+        (True, False, False, False)
+    """
+    return (isinstance(name, str) and bool(_SAFE_NAME_RE.fullmatch(name)) and name not in (".", "..")
+            and name != MANIFEST and len(name) <= 255)
 
 
 def human_bytes(n: float) -> str:
@@ -73,14 +98,15 @@ def human_bytes(n: float) -> str:
     return f"{n} B"
 
 
-def checksum(chunks: Iterable[bytes]) -> str:
-    """``"sha256:<hex>"`` of the concatenated chunks."""
-    h = hashlib.new(CHECKSUM_ALGO)
+def checksum(chunks: Iterable[Any]) -> str:
+    """``"crc32c:<hex>"`` of the concatenated chunks (how manifests name a file's checksum)."""
+    value = 0
     for c in chunks:
-        h.update(c)
-    return f"{CHECKSUM_ALGO}:{h.hexdigest()}"
+        value = crc.crc32c_of(c, value)
+    return crc.format_crc(value)
 
 
+# -- the manifest ------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FileEntry:
     """One file of a committed step."""
@@ -111,7 +137,7 @@ class Manifest:
         """The names among ``names`` (a step directory's files) that this manifest does not list, itself aside.
 
         Example:
-            >>> m = Manifest(step=1, world_size=1, files={"a.bin": FileEntry(size=1, checksum="sha256:0")})
+            >>> m = Manifest(step=1, world_size=1, files={"a.bin": FileEntry(size=1, checksum="crc32c:00000000")})
             >>> m.unlisted(["a.bin", "manifest.json", "stray.distcp"])
             ['stray.distcp']
         """
@@ -120,29 +146,258 @@ class Manifest:
     def to_json(self) -> bytes:
         """Serialize (stable key order, readable)."""
         d = dataclasses.asdict(self)
-        return json.dumps({"format": "ft-checkpoint", **d}, indent=1, sort_keys=True).encode()
+        return json.dumps({"format": "ft-checkpoint", **d}, indent=1, sort_keys=True, allow_nan=False).encode()
 
     @classmethod
     def from_json(cls, data: bytes, *, where: str = "manifest") -> Manifest:
-        """Parse and validate a manifest; raises CheckpointCorruptError saying what is wrong."""
+        """Parse and validate a manifest strictly (an int is an int, not a bool or a float); raises
+        CheckpointCorruptError saying what is wrong.
+
+        Example:
+            >>> Manifest.from_json(Manifest(step=3, world_size=1, files={}).to_json()).step
+            3
+            >>> try:
+            ...     Manifest.from_json(b'{"format": "ft-checkpoint", "format_version": 2, "step": 2.0, '
+            ...                        b'"world_size": 1, "files": {}}')
+            ... except CheckpointCorruptError as e:
+            ...     print(e)
+            manifest: field 'step' is 2.0: expected an integer in [0, 10**12)
+        """
         try:
-            d = json.loads(data)
-        except (ValueError, RecursionError) as e:  # bad bytes or syntax, an endless number, deep nesting
+            d = json.loads(data, parse_constant=_refuse_constant)
+        except (ValueError, RecursionError) as e:  # bad bytes or syntax, NaN, an endless number, deep nesting
             raise CheckpointCorruptError(f"{where}: not valid JSON ({type(e).__name__}: {e})") from e
         if not isinstance(d, dict) or d.pop("format", None) != "ft-checkpoint":
             raise CheckpointCorruptError(f"{where}: not an ft-checkpoint manifest")
         version = d.get("format_version")
-        if not isinstance(version, int) or version > FORMAT_VERSION:
+        if _is_int(version) and version > FORMAT_VERSION:
             raise CheckpointCorruptError(
                 f"{where}: format_version {version!r} is newer than this ft-checkpoint supports "
                 f"({FORMAT_VERSION}). HINT: upgrade ft-checkpoint to read it")
+        return cls(**_checked_fields(d, where))
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _checked_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """The manifest's fields, each type-checked; CheckpointCorruptError naming the first bad one."""
+    def bad(field: str, expected: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"{where}: field {field!r} is {_short(d.get(field))}: expected {expected}")
+
+    known = {f.name for f in dataclasses.fields(Manifest)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise CheckpointCorruptError(f"{where}: unknown fields {unknown[:5]}")
+    for field in ("format_version", "step", "world_size", "files"):
+        if field not in d:
+            raise CheckpointCorruptError(f"{where}: field {field!r} is missing")
+    checks: dict[str, tuple[Callable[[Any], bool], str]] = {
+        "format_version": (lambda v: _is_int(v) and 1 <= v <= FORMAT_VERSION, f"an integer from 1 to {FORMAT_VERSION}"),
+        "step": (lambda v: _is_int(v) and 0 <= v < MAX_STEP, "an integer in [0, 10**12)"),
+        "world_size": (lambda v: _is_int(v) and 1 <= v <= 10**7, "an integer >= 1"),
+        "epoch": (lambda v: v is None or (_is_int(v) and v >= 0), "null or an integer >= 0"),
+        "time": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+                 "a finite number (seconds since the epoch)"),
+        "versions": (lambda v: isinstance(v, dict) and all(isinstance(x, str) for kv in v.items() for x in kv),
+                     "an object of strings"),
+        "metadata": (lambda v: isinstance(v, dict), "an object"),
+        "files": (lambda v: isinstance(v, dict), "an object of file entries"),
+    }
+    for field, (ok, expected) in checks.items():
+        if field in d and not ok(d[field]):
+            raise bad(field, expected)
+    d["files"] = {name: _file_entry(name, entry, where) for name, entry in d["files"].items()}
+    return d
+
+
+def _file_entry(name: Any, entry: Any, where: str) -> FileEntry:
+    if not is_plain_name(name):
+        raise CheckpointCorruptError(f"{where}: file name {_short(name)} is not a plain name inside the step "
+                                     "directory; refusing it")
+    if not isinstance(entry, dict) or set(entry) != {"size", "checksum"}:
+        raise CheckpointCorruptError(f"{where}: the entry of {name} is {_short(entry)}: expected "
+                                     '{"size": <int>, "checksum": <str>}')
+    size, check = entry["size"], entry["checksum"]
+    if not _is_int(size) or size < 0:
+        raise CheckpointCorruptError(f"{where}: the size of {name} is {_short(size)}: expected an integer >= 0")
+    if not crc.is_valid(check):
+        raise CheckpointCorruptError(f"{where}: the checksum of {name} is {_short(check)}: expected "
+                                     "'crc32c:<8 hex digits>' or 'sha256:<64 hex digits>'")
+    return FileEntry(size=size, checksum=check)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# -- listing -----------------------------------------------------------------------------------
+def list_steps(storage: Storage) -> dict[int, bool]:
+    """``{step: has a manifest.json}`` for every step directory (real directories only: a file or a
+    symbolic link named like a step is not one of ours and is ignored)."""
+    steps = {}
+    for name, entry in storage.entries("").items():
+        step = parse_step(name)
+        if step is None:
+            continue
+        if entry.kind != "directory":
+            log.warning("ignoring %s: named like a step directory but it is a %s", storage.url_of(name),
+                        "symbolic link or special file" if entry.kind == "other" else "file")
+            continue
+        steps[step] = MANIFEST in storage.sizes(name)
+    return steps
+
+
+def read_manifest(storage: Storage, step: int) -> Manifest:
+    """Read and parse the manifest of ``step``; CheckpointCorruptError if missing or invalid."""
+    rel = f"{step_dir(step)}/{MANIFEST}"
+    try:
+        data = storage.read_bytes(rel)
+    except StorageNotFoundError as e:
+        raise CheckpointCorruptError("manifest.json is missing") from e
+    manifest = Manifest.from_json(data, where=storage.url_of(rel))
+    if manifest.step != step:
+        raise CheckpointCorruptError(f"manifest.json says step {manifest.step}, the directory says {step}")
+    return manifest
+
+
+def committed_steps(storage: Storage, steps: dict[int, bool] | None = None) -> list[int]:
+    """Steps whose manifest exists and parses (ascending): what counts as committed. One small read each."""
+    steps = list_steps(storage) if steps is None else steps
+    out = []
+    for step in sorted(s for s, has_manifest in steps.items() if has_manifest):
         try:
-            files = {name: FileEntry(**entry) for name, entry in d.pop("files").items()}
-            manifest = cls(files=files, **d)
-        except (KeyError, TypeError, AttributeError) as e:
-            raise CheckpointCorruptError(f"{where}: malformed ({e})") from e
-        for name in files:
-            if not _SAFE_NAME_RE.match(name) or name in (".", "..") or name == MANIFEST:
-                raise CheckpointCorruptError(
-                    f"{where}: file name {name!r} is not a plain name inside the step directory; refusing it")
-        return manifest
+            read_manifest(storage, step)
+        except CheckpointCorruptError as e:
+            log.warning("step %d in %s does not count as committed: %s", step, storage.url, e)
+            continue
+        out.append(step)
+    return out
+
+
+# -- checking ----------------------------------------------------------------------------------
+@dataclasses.dataclass
+class StepCheck:
+    """The outcome of checking one step: its manifest (if it parsed) and every problem, each naming a file."""
+
+    step: int
+    manifest: Manifest | None = None
+    problems: list[str] = dataclasses.field(default_factory=list)
+    bytes_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.manifest is not None and not self.problems
+
+    @property
+    def files(self) -> int:
+        """Files the manifest lists (0 without a manifest)."""
+        return len(self.manifest.files) if self.manifest else 0
+
+    @property
+    def bytes(self) -> int:
+        """Bytes the manifest lists."""
+        return self.manifest.total_bytes if self.manifest else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "ok": self.ok, "files": self.files, "bytes": self.bytes,
+                "problems": list(self.problems)}
+
+    def raise_if_bad(self) -> Manifest:
+        """The manifest, or CheckpointCorruptError with the first problems (unlisted files in one)."""
+        if self.ok:
+            assert self.manifest is not None
+            return self.manifest
+        suffix = f": {UNLISTED}"
+        unlisted = [p.removesuffix(suffix) for p in self.problems if p.endswith(suffix)]
+        problems = [p for p in self.problems if not p.endswith(suffix)]
+        if unlisted:
+            problems.append(f"{', '.join(unlisted[:5])}{', ...' if len(unlisted) > 5 else ''}{suffix}")
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CheckpointCorruptError("; ".join(problems[:3]) + more)
+
+
+OnBytes = Callable[[int], None]
+"""Called with the number of bytes just read (drives a progress bar)."""
+
+
+def check_step(storage: Storage, step: int, *, checksums: bool | Callable[[str], bool] = False,
+               on_bytes: OnBytes | None = None) -> StepCheck:
+    """Check a step: the manifest, every file's size and kind, no file it does not list, and checksums
+    (``True``: every file; a predicate: the files it selects, e.g. this rank's share; ``False``: none —
+    a resume verifies format-2 data as it reads it).
+
+    Example:
+        >>> check_step(Storage("memory://doc/check"), 7).problems
+        ['manifest.json is missing']
+    """
+    result = StepCheck(step=step)
+    rel = step_dir(step)
+    try:
+        result.manifest = manifest = read_manifest(storage, step)
+    except CheckpointCorruptError as e:
+        quarantined = MANIFEST + SKIPPED_SUFFIX in storage.sizes(rel)
+        result.problems.append(QUARANTINED if quarantined else str(e))
+        return result
+    entries = storage.entries(rel)
+    for name, entry in sorted(manifest.files.items()):
+        problem = _entry_problem(entries.get(name), entry)
+        if problem is None and (checksums is True or (callable(checksums) and checksums(name))):
+            problem = _checksum_problem(storage, f"{rel}/{name}", entry, on_bytes)
+            result.bytes_checked += entry.size
+        if problem:
+            result.problems.append(f"{name}: {problem}")
+    result.problems += [f"{name}: {UNLISTED}" for name in manifest.unlisted(entries)]
+    return result
+
+
+def _entry_problem(found: Any, entry: FileEntry) -> str | None:
+    if found is None:
+        return "missing"
+    if found.kind != "file":
+        return "is a symbolic link or not a regular file; refusing to read through it"
+    if found.size != entry.size:
+        return f"has {found.size} bytes, the manifest says {entry.size} (truncated or replaced)"
+    return None
+
+
+def _checksum_problem(storage: Storage, rel: str, entry: FileEntry, on_bytes: OnBytes | None) -> str | None:
+    def counted() -> Iterable[bytes]:
+        for chunk in storage.iter_chunks(rel):
+            if on_bytes is not None:
+                on_bytes(len(chunk))
+            yield chunk
+
+    return None if crc.matches(entry.checksum, counted()) else "does not match its checksum (corrupted)"
+
+
+# -- deleting and setting aside ----------------------------------------------------------------
+def delete_step(storage: Storage, step: int) -> None:
+    """Delete one step directory: its manifest first (a crash halfway leaves garbage, never a broken
+    commit), then each file listed in it, by its literal name, then the empty directory. Nothing is
+    expanded as a pattern and no symbolic link is followed; a subdirectory (never ours) is left alone."""
+    rel = step_dir(step)
+    storage.delete_file(f"{rel}/{MANIFEST}")
+    for name, entry in storage.entries(rel).items():
+        if entry.kind == "directory":
+            log.warning("left %s in place: a step directory never holds directories of ours", storage.url_of(f"{rel}/{name}"))
+            continue
+        storage.delete_file(f"{rel}/{name}")
+    storage.delete_empty_dir(rel)
+
+
+def quarantine(storage: Storage, steps: Iterable[int]) -> None:
+    """Rename the manifests of ``steps`` to ``manifest.json.skipped``: they no longer count as commits."""
+    for step in steps:
+        rel = f"{step_dir(step)}/{MANIFEST}"
+        try:
+            storage.write_bytes(rel + SKIPPED_SUFFIX, storage.read_bytes(rel))
+        except StorageNotFoundError:
+            continue
+        storage.delete_file(rel)

@@ -98,7 +98,7 @@ class Lease:
             self._thread.join()
         try:
             if (self._read() or {}).get("attempt") == self.owner["attempt"]:
-                self.storage.delete(LEASE)
+                self.storage.delete_file(LEASE)
         except StorageError as e:
             log.warning("could not release the checkpoint lease: %s", e)
 

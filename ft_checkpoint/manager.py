@@ -18,14 +18,16 @@ Example:
 from __future__ import annotations
 
 import logging
+import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ft_checkpoint import layout
 from ft_checkpoint.config import CheckpointConfig, parse_duration
 from ft_checkpoint.dist import Groups
-from ft_checkpoint.engine import CheckpointEngine, SaveStats
-from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, Preempted, SaveError, StorageError
+from ft_checkpoint.engine import CheckpointEngine, OpenedStep, SaveStats
+from ft_checkpoint.errors import ConfigError, Preempted, SaveError, StateMismatchError, StorageError
 from ft_checkpoint.failures import count_failures
 from ft_checkpoint.journal import Journal, attempt_summaries
 from ft_checkpoint.lease import Lease
@@ -38,13 +40,45 @@ from ft_checkpoint.policy import (
     policy_from_interval,
 )
 from ft_checkpoint.preemption import PreemptionWatcher
-from ft_checkpoint.resume import find_resume_step, quarantine, warn_skipped
-from ft_checkpoint.retention import apply_retention, list_steps
+from ft_checkpoint.resume import check_for_resume, resume_newest
+from ft_checkpoint.retention import apply_retention
 from ft_checkpoint.slurm import SlurmJob, requeue
 from ft_checkpoint.state import load_tree_into, rng_state, set_rng_state, to_tree
 from ft_checkpoint.storage import Storage
 
 log = logging.getLogger(__name__)
+
+
+def _human_seconds(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.3g} {unit}"
+    return f"{seconds:.3g} s"
+
+
+def _warn_unused(keys: list[str], what: str, rank: int) -> None:
+    if keys and rank == 0:
+        log.warning("the checkpoint also holds %s keys %s, which the %s passed to resume() does not have: they "
+                    "were not loaded anywhere", what, keys[:10], what)
+
+
+class _SaveEvents:
+    """What the engine reports about a save, turned into journal events, commits and retention."""
+
+    def __init__(self, manager: CheckpointManager) -> None:
+        self.manager = manager
+
+    def on_write_start(self, stats: SaveStats) -> None:
+        self.manager.journal.record("save_started", step=stats.step, stall=stats.stall)
+
+    def before_commit(self, stats: SaveStats) -> None:
+        pass
+
+    def on_commit(self, stats: SaveStats) -> None:
+        self.manager._after_commit(stats)
+
+    def on_previous_error(self, error: SaveError) -> None:
+        self.manager._save_failed(error)
 
 
 def _find(policy: Any, kind: type) -> Any:
@@ -77,8 +111,14 @@ class CheckpointManager:
     Create the manager on the main thread for the signal handlers.
     """
 
-    def __init__(self, dirpath: str | None = None, *, policy: SavePolicy | None = None, **config: Any) -> None:
+    def __init__(self, dirpath: str | None = None, *, policy: SavePolicy | None = None, announce: bool = True,
+                 **config: Any) -> None:
         self.config = CheckpointConfig.from_env(dirpath=dirpath, **config)
+        self.announce = announce
+        """Print where checkpoints go, the resume and when the first save is due, once, on stderr (rank 0).
+        Integrations with a channel of their own (Lightning's rank-zero info) pass False and use
+        :meth:`describe_start`."""
+        self._announced = False
         if self.config.dirpath is None:
             raise ConfigError("dirpath is required: pass it, set FT_CHECKPOINT_DIRPATH, or put it in the "
                               "YAML file named by FT_CHECKPOINT_CONFIG")
@@ -112,6 +152,11 @@ class CheckpointManager:
         self.failed_saves = 0
         """Saves that failed (with ``on_save_error="warn"`` training goes on after them)."""
         self._last_committed: int | None = None
+        self._newest_committed: int | None = self.groups.on_rank0(
+            lambda: max(layout.committed_steps(self.storage), default=None))
+        self._events = _SaveEvents(self)
+        self.resumed_rng: dict[str, Any] | None = None
+        """The RNG states the last resume found for this rank (see ``resume(restore_rng=False)``)."""
         self._last_save_time = time.monotonic()
         self._last_boundary: float | None = None
         self._idle_step: float | None = None
@@ -209,38 +254,58 @@ class CheckpointManager:
         self._last_boundary = now
 
     def save(self, step: int, state: dict[str, Any], *, epoch: int | None = None,
-             metadata: dict[str, Any] | None = None, block: bool = False) -> SaveStats:
-        """Save now. Returns once the state is staged (or committed, with ``block=True``)."""
+             metadata: dict[str, Any] | None = None, per_rank: dict[str, Any] | None = None,
+             block: bool = False) -> SaveStats:
+        """Save now. Returns once the state is staged (or committed, with ``block=True``).
+
+        ``state`` is the same on every rank (a tensor in it is written once); values that differ by rank
+        (a prefetched batch, per-rank counters) go in ``per_rank``, saved in each rank's own file and
+        given back to the same rank by :meth:`resume`. A tensor of ``state`` that differs across ranks
+        is an error at the commit naming it.
+
+        Raises:
+            StateMismatchError: ``step`` is not above every step committed in the directory (a restarted
+                counter, or a run pointed at another run's directory).
+        """
         self._check_open()
+        self._check_step_is_new(step)
+        self._announce_start()
         called_at = time.perf_counter()
         self.journal.progress(step, force=True)
-        per_rank = {"rng": rng_state()} if self.config.save_rng_state else {}
-        stats = self.engine.save(step, to_tree(state), per_rank=per_rank,
+        ranked = {"rng": rng_state() if self.config.save_rng_state else None,
+                  "state": to_tree(per_rank) if per_rank is not None else None}
+        stats = self.engine.save(step, to_tree(state), per_rank=ranked,
                                  manifest_fields={"epoch": epoch, "metadata": dict(metadata or {})},
-                                 on_start=self._before_write, on_commit=self._after_commit,
-                                 on_previous_error=self._save_failed, called_at=called_at)
+                                 listener=self._events, called_at=called_at)
         self.last_save = stats
         self._last_save_time = time.monotonic()
         if block or not self.config.async_save:
             self.wait()
         return stats
 
+    def _check_step_is_new(self, step: int) -> None:
+        """Refuse a step at or below the newest one committed in the directory: retention would delete the new
+        save right after it commits (it keeps the highest steps), and a crash would resume the old steps."""
+        if self._newest_committed is not None and step <= self._newest_committed:
+            raise StateMismatchError(
+                f"cannot save step {step} in {self.storage.url}: step {self._newest_committed} is committed there "
+                "already (a run pointed at another run's directory, a restarted step counter, or a resume that fell "
+                "back past steps that did not fit the state). HINT: give this run its own dirpath, or continue the "
+                "step count from the resumed step, or remove the newer steps (ft-checkpoint gc) if they are unwanted")
+
     def _save_failed(self, error: SaveError) -> None:
-        """A save failed: journal it, then raise (``on_save_error="raise"``) or warn loudly and go on."""
+        """A save failed: journal it, then raise (``on_save_error="raise"``, or a state that cannot be saved
+        as given) or warn loudly and go on."""
         self.failed_saves += 1
         self.journal.record("save_failed", error=str(error), background=True)
-        if self.config.on_save_error == "raise":
+        if self.config.on_save_error == "raise" or isinstance(error.__cause__, ConfigError):
             raise error
         log.warning("CHECKPOINT SAVE FAILED (%d so far), training continues; resume would use step %s. %s",
                     self.failed_saves, self._last_committed, error)
 
-    def _before_write(self, stats: SaveStats) -> None:
-        """On the writer thread, before the write: journal (rank 0)."""
-        self.journal.record("save_started", step=stats.step, stall=stats.stall)
-
     def _after_commit(self, stats: SaveStats) -> None:
         """On the writer thread, after a commit: journal, log, retention (rank 0)."""
-        self._last_committed = stats.step
+        self._last_committed = self._newest_committed = stats.step
         self.watcher.margin = max(parse_duration(self.config.end_time_margin), 2 * (stats.duration or 0.0))
         if self.rank != 0:
             return
@@ -251,7 +316,7 @@ class CheckpointManager:
         self.engine.phase("retention", stats.step)
         try:  # the step is committed: a failed clean-up must not make the save look failed
             apply_retention(self.storage, keep_last=self.config.keep_last,
-                            keep_every_n_steps=self.config.keep_every_n_steps)
+                            keep_every_n_steps=self.config.keep_every_n_steps, protect=stats.step)
         except StorageError as e:
             log.warning("retention after step %d failed (will retry after the next commit): %s", stats.step, e)
         if self.adaptive is not None:
@@ -280,56 +345,98 @@ class CheckpointManager:
                 out["interval_steps"] = float(fixed.n)
         return out
 
-    # -- resuming ------------------------------------------------------------------------------
-    def resume(self, state: dict[str, Any]) -> int | None:
-        """Load the newest verified checkpoint into ``state`` in place; returns its step, or None if fresh.
+    def describe_start(self) -> str:
+        """Where checkpoints go, what the last ``resume`` found, and when saves come, in one line.
 
-        Stateful values get ``load_state_dict``; other values of ``state`` are replaced.
+        Example:
+            >>> m = CheckpointManager("memory://doc/describe", interval=50, announce=False)
+            >>> m.describe_start()
+            'checkpoints go to memory://doc/describe, a save every 50 steps'
+            >>> m.close()
+        """
+        where = f"checkpoints go to {self.storage.url}"
+        if self.resumed_from is not None:
+            where = f"resuming from step {self.resumed_from} of {self.storage.url}"
+        return f"{where}, {self._describe_interval()}"
+
+    def _describe_interval(self) -> str:
+        fixed = _find(self.policy, EveryNSteps) or _find(self.policy, EveryInterval)
+        if self.adaptive is not None:
+            d = self.adaptive.last_decision
+            due = d["interval_s"]
+            return (f"adaptive interval: the first save comes about {_human_seconds(due)} in (save cost "
+                    f"{'guessed' if self.adaptive.cost is None else 'measured'} {d['cost_s']:.3g} s, MTBF "
+                    f"{_human_seconds(d['mtbf_s'])}); a shorter run saves only on a preemption notice. HINT: set "
+                    "interval= (steps or a duration) to choose")
+        if isinstance(fixed, EveryNSteps):
+            return f"a save every {fixed.n} steps"
+        if isinstance(fixed, EveryInterval):
+            return f"a save every {_human_seconds(fixed.seconds)}"
+        return f"saves when {self.policy!r} says so"
+
+    def _announce_start(self, detail: str | None = None) -> None:
+        if self._announced:
+            return
+        self._announced = True
+        if self.announce and self.rank == 0:
+            text = self.describe_start() + (f" ({detail})" if detail else "")
+            print(f"ft-checkpoint: {text}", file=sys.stderr, flush=True)
+
+    # -- resuming ------------------------------------------------------------------------------
+    def resume(self, state: dict[str, Any], *, per_rank: dict[str, Any] | None = None,
+               restore_rng: bool = True, check: Callable[[dict[str, Any]], None] | None = None) -> int | None:
+        """Load the newest checkpoint that checks and loads into ``state`` in place; returns its step, or None
+        on a fresh start.
+
+        Stateful values get ``load_state_dict``; other values of ``state`` are replaced. ``per_rank`` gets
+        this rank's own part (see :meth:`save`). The RNG states saved by this rank are restored
+        (``restore_rng=False``: kept in :attr:`resumed_rng` for the caller to apply when it chooses).
+        ``check(saved_tree)`` may raise StateMismatchError to reject a step (the previous one is tried).
+        A step that fails anywhere is skipped with a warning and the previous one is tried (see ``resume``).
         """
         self._check_open()
         t0 = time.perf_counter()
         self.engine.phase("resuming", -1)
-        manifest, opened = self._find_loadable()
-        if manifest is None:
+        found = resume_newest(
+            self.storage, self.groups, open_step=self.engine.open_step,
+            check=lambda step: check_for_resume(self.storage, step, rank=self.rank, world_size=self.groups.world_size),
+            load=lambda opened: self._load(opened, state, per_rank, check), touches=lambda opened: opened.touches)
+        if found is None:
             if self.rank == 0:
                 log.info("no committed checkpoint in %s: starting fresh", self.storage.url)
+            self._announce_start()
             return None
-        tree, per_rank = self.engine.load(manifest.step, to_tree(state), opened)
-        load_tree_into(state, tree)
-        if self.config.save_rng_state and "rng" in per_rank:
-            set_rng_state(per_rank["rng"])
+        manifest, ranked = found
+        self.resumed_rng = ranked.get("rng") if self.config.save_rng_state else None
+        if restore_rng and self.resumed_rng is not None:
+            set_rng_state(self.resumed_rng)
         seconds = time.perf_counter() - t0
         self.resumed_from = self._last_committed = manifest.step
         self.journal.record("resume", step=manifest.step, seconds=seconds, bytes=manifest.total_bytes)
         if self.rank == 0:
             log.info("resuming from step %d (%s): %s verified and loaded in %.1f s", manifest.step,
                      self.storage.url_of(layout.step_dir(manifest.step)), layout.human_bytes(manifest.total_bytes), seconds)
+        self._announce_start(f"{layout.human_bytes(manifest.total_bytes)} verified and loaded in {seconds:.1f} s")
         return manifest.step
 
-    def _find_loadable(self) -> tuple[Any, Any]:
-        """The newest verified step whose metadata and state files also load safely on every rank."""
-        below = None
-        while True:
-            manifest = find_resume_step(self.storage, self.groups, verify_checksums=self.config.verify_checksums,
-                                        below=below)
-            if manifest is None:
-                return None, None
-            opened, problem = None, None
-            try:
-                opened = self.engine.open_step(manifest.step)
-            except CheckpointCorruptError as e:
-                problem = f"rank {self.rank}: {e}" if self.groups.distributed else str(e)
-            problems = [p for p in self.groups.all_gather(problem) if p]
-            if not problems:
-                return manifest, opened
-            warn_skipped(self.storage, self.groups, manifest.step, problems)
-            self.groups.on_rank0(lambda: quarantine(self.storage, [manifest.step]))
-            below = manifest.step
+    def _load(self, opened: OpenedStep, state: dict[str, Any], per_rank: dict[str, Any] | None,
+              check: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
+        """Load one opened step into ``state`` (and ``per_rank``); returns what the rank file held per rank."""
+        tree, ranked = self.engine.load(opened, to_tree(state))
+        if check is not None:
+            check(tree)
+        ranked = {"rng": ranked.get("rng"), "state": ranked.get("state")}  # 0.1's rank files hold only "rng"
+        if per_rank is not None:
+            if ranked.get("state") is None:
+                raise StateMismatchError("the checkpoint has no per-rank state, but per_rank= was passed. "
+                                         "HINT: pass the same per_rank keys to resume() as to save()")
+            _warn_unused(load_tree_into(per_rank, ranked["state"]), "per_rank", self.rank)
+        _warn_unused(load_tree_into(state, tree), "state", self.rank)
+        return ranked
 
     def latest(self) -> int | None:
-        """The newest step with a manifest (not verified; ``resume`` verifies)."""
-        committed = self.groups.on_rank0(lambda: [s for s, ok in list_steps(self.storage).items() if ok])
-        return max(committed, default=None)
+        """The newest step whose manifest parses (its data not verified; ``resume`` verifies)."""
+        return self.groups.on_rank0(lambda: max(layout.committed_steps(self.storage), default=None))
 
     # -- lifecycle -----------------------------------------------------------------------------
     def wait(self) -> SaveStats | None:

@@ -1,120 +1,130 @@
-"""Resume detection: the newest committed step that verifies, agreed on by every rank.
+"""Resume: load the newest step that checks and loads, agreed on by every rank, falling back step by step.
 
-Rank 0 lists the step directories, newest first, and every rank gets the list; one without a manifest
-(an interrupted save) is skipped with a warning like any other that fails.
-For each candidate, every rank checks the manifest, every file's size, that the directory holds no file
-the manifest does not list (a leftover or a copied-in file a loader could read), and the checksums of
-its share of the files (file ``i`` is hashed by rank ``i % world_size``, so the work is spread). The
-first step that passes everywhere wins. A step that fails is skipped with a warning naming it and the
-reason; its manifest is then renamed to ``manifest.json.skipped`` so that no later resume or retention
-takes it for a good step. A storage outage is not corruption: it raises, and nothing is skipped.
+Rank 0 lists the step directories, newest first, and every rank gets the list (one without a manifest,
+an interrupted save, is skipped with a warning like any other that fails).
+For each candidate, in three phases, each ended by an exchange of outcomes so that every rank takes
+the same decision (and none is left waiting in a collective):
+
+1. **check**: the manifest (strictly typed), every file's size and kind, no file it does not list
+   (format 1: also the checksums of this rank's share of the files, ``i % world_size``);
+2. **open**: the small files (tensor metadata, this rank's state file), each against its checksum,
+   and the metadata against the manifest (paths, byte ranges, exact cover);
+3. **load**: the tensors, each byte range checked against its CRC as it is read, then into the state.
+
+A step that fails anywhere is skipped with a warning naming it and the reason, and the previous one is
+tried. A corrupt step is quarantined (its manifest renamed to ``manifest.json.skipped``) so that no
+later resume or retention takes it for a good one; a step that does not fit the state (another shape,
+a missing key) is only skipped, since the state, not the step, may be what changed. A storage outage
+is not corruption: it raises, and nothing is skipped. If no step loads after one failed *while
+loading* (the state may be partly overwritten) or did not fit the state, the resume raises instead
+of starting fresh with a wrong state.
 
 Example:
     >>> from ft_checkpoint.storage import Storage
     >>> from ft_checkpoint.dist import Groups
-    >>> find_resume_step(Storage("memory://doc/empty"), Groups()) is None
+    >>> fail = lambda *a: 1 / 0
+    >>> resume_newest(Storage("memory://doc/empty"), Groups(), check=fail, open_step=fail, load=fail) is None
     True
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from ft_checkpoint import layout
-from ft_checkpoint.errors import CheckpointCorruptError, StorageError, StorageNotFoundError
-from ft_checkpoint.retention import list_steps
+from ft_checkpoint import checksum, layout
+from ft_checkpoint.errors import CheckpointCorruptError, StateMismatchError, StorageError
 from ft_checkpoint.storage import Storage
 
 if TYPE_CHECKING:  # torch.distributed: kept out so that the CLI can read and verify without torch
     from ft_checkpoint.dist import Groups
 
 log = logging.getLogger(__name__)
-SKIPPED_SUFFIX = ".skipped"
-UNLISTED = "not listed in the manifest (left over or copied in; a step must hold only what it committed)"
+T = TypeVar("T")
+O = TypeVar("O")
 
 
-def read_manifest(storage: Storage, step: int) -> layout.Manifest:
-    """Read and parse the manifest of ``step``; CheckpointCorruptError if missing or invalid."""
-    rel = f"{layout.step_dir(step)}/{layout.MANIFEST}"
-    try:
-        data = storage.read_bytes(rel)
-    except StorageNotFoundError as e:
-        raise CheckpointCorruptError("manifest.json is missing") from e
-    manifest = layout.Manifest.from_json(data, where=storage.url_of(rel))
-    if manifest.step != step:
-        raise CheckpointCorruptError(f"manifest.json says step {manifest.step}, the directory says {step}")
-    return manifest
-
-
-def verify_step(storage: Storage, step: int, *, checksums: bool = True, rank: int = 0,
-                world_size: int = 1) -> layout.Manifest:
-    """Check a step: manifest, every file's size, no file it does not list, checksums of this rank's share.
+def check_for_resume(storage: Storage, step: int, *, rank: int = 0, world_size: int = 1) -> layout.Manifest:
+    """Phase 1 for one rank: the step's manifest, sizes, kinds and unlisted files; for a format-1 step also
+    the checksums of this rank's share of its files (format 2 is checked as it is read).
 
     Raises:
-        CheckpointCorruptError: naming the first problem found.
+        CheckpointCorruptError: naming the first problems.
     """
-    manifest = read_manifest(storage, step)
-    rel = layout.step_dir(step)
-    sizes = storage.sizes(rel)
-    for name, entry in sorted(manifest.files.items()):
-        if name not in sizes:
-            raise CheckpointCorruptError(f"{name} is missing")
-        if sizes[name] != entry.size:
-            raise CheckpointCorruptError(f"{name} has {sizes[name]} bytes, the manifest says {entry.size} (truncated or replaced)")
-    unlisted = manifest.unlisted(sizes)
-    if unlisted:
-        raise CheckpointCorruptError(f"{', '.join(unlisted[:5])}{', ...' if len(unlisted) > 5 else ''}: {UNLISTED}")
-    if checksums:
+    manifest = layout.check_step(storage, step).raise_if_bad()
+    if manifest.format_version == 1:
+        rel = layout.step_dir(step)
         for i, (name, entry) in enumerate(sorted(manifest.files.items())):
-            if i % world_size == rank and layout.checksum(storage.iter_chunks(f"{rel}/{name}")) != entry.checksum:
-                raise CheckpointCorruptError(f"{name} does not match its checksum (corrupted)")
+            if i % world_size == rank and not checksum.matches(entry.checksum, storage.iter_chunks(f"{rel}/{name}")):
+                raise CheckpointCorruptError(f"{name}: does not match its checksum (corrupted)")
     return manifest
 
 
-def find_resume_step(storage: Storage, groups: Groups, *, verify_checksums: bool = True,
-                     below: int | None = None) -> layout.Manifest | None:
-    """The manifest of the newest step (older than ``below``, if given) that verifies on every rank."""
-    candidates = groups.on_rank0(
-        lambda: sorted((s for s in list_steps(storage) if below is None or s < below), reverse=True))
-    skipped = []
+def resume_newest(storage: Storage, groups: Groups, *, check: Callable[[int], layout.Manifest],
+                  open_step: Callable[[layout.Manifest], O], load: Callable[[O], T],
+                  touches: Callable[[O], bool] = lambda opened: True) -> tuple[layout.Manifest, T] | None:
+    """``(manifest, what load returned)`` for the newest step that passes ``check``, ``open_step`` and ``load``
+    on every rank, or None when no step was ever committed (or every one is corrupt and nothing was
+    loaded). ``load`` is collective; the three may raise CheckpointCorruptError or StateMismatchError
+    (skip the step), or StorageError (stop). ``touches(opened)`` tells whether a ``load`` that fails may
+    have changed the state already (it fills tensors of the state in place)."""
+    candidates = groups.on_rank0(lambda: sorted(layout.list_steps(storage), reverse=True))
+    skipped: list[int] = []
+    unfit: list[str] = []
+    touched: int | None = None
     for step in candidates:
-        outcome: tuple[str, str | None]
-        try:
-            manifest = verify_step(storage, step, checksums=verify_checksums, rank=groups.rank,
-                                   world_size=groups.world_size)
-            outcome = ("ok", None)
-        except CheckpointCorruptError as e:
-            outcome = ("corrupt", f"rank {groups.rank}: {e}" if groups.distributed else str(e))
-        except StorageError as e:
-            outcome = ("error", str(e))
-        outcomes = groups.all_gather(outcome)
-        errors = [msg for kind, msg in outcomes if kind == "error"]
-        if errors:
-            raise StorageError(f"cannot verify step {step} in {storage.url}: {errors[0]}")
-        reasons = [msg for kind, msg in outcomes if kind == "corrupt"]
+        manifest, reasons = _phase(groups, step, lambda: check(step))
+        opened = None
         if not reasons:
-            groups.on_rank0(lambda: quarantine(storage, skipped))
-            return manifest
-        warn_skipped(storage, groups, step, reasons)
-        skipped.append(step)
-    groups.on_rank0(lambda: quarantine(storage, skipped))
+            opened, reasons = _phase(groups, step, lambda: open_step(manifest))
+        if not reasons:
+            result, reasons = _phase(groups, step, lambda: load(opened))
+            if not reasons:
+                groups.on_rank0(lambda: layout.quarantine(storage, skipped))
+                return manifest, result
+            if any(groups.all_gather(opened is not None and touches(opened))):
+                touched = step
+        _warn_skipped(storage, groups, step, [r for _, r in reasons])
+        if any(kind == "corrupt" for kind, _ in reasons):
+            skipped.append(step)
+        else:
+            unfit += [f"step {step}: {r}" for _, r in reasons]
+    groups.on_rank0(lambda: layout.quarantine(storage, skipped))
+    if unfit:
+        raise StateMismatchError(
+            f"no checkpoint in {storage.url} fits the state passed to resume: {'; '.join(unfit[:3])}. HINT: pass the "
+            "same state (keys, shapes, dtypes) as the run that saved, or give this run a new dirpath")
+    if touched is not None:
+        raise CheckpointCorruptError(
+            f"step {touched} in {storage.url} failed while it was loaded into the state, which may now be partly "
+            "overwritten, and no earlier step loads. The corrupt steps were set aside (manifest.json.skipped). "
+            "HINT: start the job again: it will start fresh")
     return None
 
 
-def warn_skipped(storage: Storage, groups: Groups, step: int, reasons: list[str]) -> None:
+def _phase(groups: Groups, step: int, fn: Callable[[], T]) -> tuple[Any, list[tuple[str, str]]]:
+    """Run one phase on every rank: ``(this rank's result, [(kind, reason) of every rank that failed])``;
+    a StorageError anywhere raises on every rank."""
+    result, outcome = None, None
+    try:
+        result = fn()
+    except CheckpointCorruptError as e:
+        outcome = ("corrupt", str(e))
+    except StateMismatchError as e:
+        outcome = ("unfit", str(e))
+    except StorageError as e:
+        outcome = ("error", str(e))
+    outcomes = groups.all_gather(outcome)
+    failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
+    errors = [msg for _, (kind, msg) in failed if kind == "error"]
+    if errors:
+        raise StorageError(f"cannot resume from step {step}: {errors[0]}")
+    return result, [(kind, f"rank {r}: {msg}" if groups.distributed else msg) for r, (kind, msg) in failed]
+
+
+def _warn_skipped(storage: Storage, groups: Groups, step: int, reasons: list[str]) -> None:
     """Log (rank 0) that ``step`` is skipped and why."""
     if groups.rank == 0:
         log.warning("skipping step %d (%s): %s; trying the previous one",
                     step, storage.url_of(layout.step_dir(step)), "; ".join(reasons))
-
-
-def quarantine(storage: Storage, steps: list[int]) -> None:
-    """Rename the manifests of ``steps`` to ``manifest.json.skipped``: they no longer count as commits."""
-    for step in steps:
-        rel = f"{layout.step_dir(step)}/{layout.MANIFEST}"
-        try:
-            storage.write_bytes(rel + SKIPPED_SUFFIX, storage.read_bytes(rel))
-        except StorageNotFoundError:
-            continue
-        storage.delete(rel)

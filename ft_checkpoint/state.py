@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ft_checkpoint.errors import ConfigError
+from ft_checkpoint.errors import ConfigError, StateMismatchError
 
 Path = tuple[Any, ...]
 
@@ -82,18 +82,30 @@ def merge_tree(skeleton: Any, tensors: Mapping[str, torch.Tensor], path: Path = 
     return skeleton
 
 
-def load_tree_into(state: dict[str, Any], tree: Mapping[str, Any]) -> None:
-    """Restore ``state`` in place from a loaded tree: ``load_state_dict`` on stateful values, else replace."""
+def load_tree_into(state: dict[str, Any], tree: Mapping[str, Any]) -> list[str]:
+    """Restore ``state`` in place from a loaded tree: ``load_state_dict`` on stateful values, else replace.
+
+    Returns the keys of ``tree`` that ``state`` does not have (not loaded anywhere).
+
+    Raises:
+        StateMismatchError: a key of ``state`` is not in ``tree`` (nothing is changed then).
+    """
+    if not isinstance(tree, Mapping):
+        raise StateMismatchError(f"the checkpoint holds a {type(tree).__name__}, not a state dict")
     missing = [k for k in state if k not in tree]
     if missing:
-        raise ConfigError(
-            f"state keys {missing} are not in the checkpoint (it has {sorted(tree)}). "
+        raise StateMismatchError(
+            f"state keys {missing} are not in the checkpoint (it has {sorted(map(str, tree))[:20]}). "
             "HINT: pass the same state keys to resume() as to save()")
     for k, v in state.items():
         if is_stateful(v):
-            v.load_state_dict(tree[k])
+            try:
+                v.load_state_dict(tree[k])
+            except Exception as e:  # a module's size mismatch, an optimizer's other param groups, ...
+                raise StateMismatchError(f"state[{k!r}].load_state_dict failed: {type(e).__name__}: {e}") from e
         else:
             state[k] = tree[k]
+    return sorted(str(k) for k in tree if k not in state)
 
 
 def rng_state() -> dict[str, Any]:

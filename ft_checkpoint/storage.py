@@ -18,17 +18,20 @@ Example:
     b'hi'
     >>> s.listdir("")
     ['step_000000000001']
+    >>> s.entries("step_000000000001")
+    {'hello.txt': Entry(kind='file', size=2)}
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import posixpath
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import fsspec
 import tenacity
@@ -36,6 +39,7 @@ from fsspec.core import url_to_fs
 
 from ft_checkpoint.errors import (
     ConfigError,
+    FTCheckpointError,
     StorageError,
     StorageNotFoundError,
     StoragePermissionError,
@@ -43,6 +47,8 @@ from ft_checkpoint.errors import (
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+GLOB_CHARACTERS = frozenset("*?[]")
+"""Characters fsspec may expand as a pattern (``rm``, ``copy``, ``expand_path``): refused in a dirpath."""
 # faulty:///path: local disk with injected faults, for tests and the chaos benchmark (imported on use).
 fsspec.register_implementation("faulty", "ft_checkpoint.faults.FaultyFileSystem", clobber=True)
 
@@ -100,6 +106,11 @@ def make_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> 
     """
     if not isinstance(url, str) or not url.strip():
         raise ConfigError(f"dirpath={url!r}: must be a non-empty local path or fsspec URL such as gs://bucket/run")
+    if GLOB_CHARACTERS & set(url):
+        raise ConfigError(
+            f"dirpath={url!r} contains one of {''.join(sorted(GLOB_CHARACTERS))}, which fsspec expands as a pattern on "
+            "some stores (a delete in 'runs/sweep[1]' would also match 'runs/sweep1'). HINT: use a name without them, "
+            "e.g. 'runs/sweep-1'")
     try:
         return url_to_fs(os.path.expanduser(url), **{**(storage_options or {}), "skip_instance_cache": True})
     except ImportError as e:
@@ -115,6 +126,18 @@ def make_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> 
             "HINT: use a local path or a URL of an installed fsspec protocol (file://, memory://, gs://, s3://), "
             "and only options that filesystem accepts"
         ) from e
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
+    return {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+
+
+class Entry(NamedTuple):
+    """One name inside a directory, as :meth:`Storage.entries` lists it."""
+
+    kind: str
+    """``file``, ``directory``, or ``other`` (a symbolic link, a device, a socket, ...)."""
+    size: int
 
 
 class Storage:
@@ -135,7 +158,7 @@ class Storage:
         self.root = self.root.rstrip("/") or "/"
         self.retries = retries
         self.backoff = backoff
-        protocols = {self.fs.protocol} if isinstance(self.fs.protocol, str) else set(self.fs.protocol)
+        protocols = _protocols(self.fs)
         self.is_local = bool(protocols & _LOCAL_PROTOCOLS)
         self._bucketed = bool(protocols & _BUCKET_PROTOCOLS)
         # Plain read-ahead for streamed reads: gcsfs 2026.10's default "adaptive" background
@@ -168,6 +191,10 @@ class Storage:
         )
         return retrying(fn, *args, **kwargs)
 
+    def call(self, what: str, rel: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` retried on transient errors; a final error as a StorageError naming ``rel``."""
+        return self._call(what, rel, fn, *args, **kwargs)
+
     def _call(self, what: str, rel: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         try:
             return self.retrying(what, self.url_of(rel), fn, *args, **kwargs)
@@ -175,7 +202,7 @@ class Storage:
             raise self._translate(what, rel, e) from e
 
     def _translate(self, what: str, rel: str, e: Exception) -> Exception:
-        if isinstance(e, StorageError):
+        if isinstance(e, FTCheckpointError):  # ours already says what happened (corruption is no outage)
             return e
         where = f"{what} {self.url_of(rel)}"
         if isinstance(e, FileNotFoundError):
@@ -222,11 +249,41 @@ class Storage:
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
-        fd = os.open(os.path.dirname(final), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        self.sync_dir(os.path.dirname(rel))
+
+    @contextlib.contextmanager
+    def open_write(self, rel: str) -> Iterator[Any]:
+        """A file to write ``rel`` into, created or truncated (not retried: retry the whole file). On local
+        disk an unbuffered file (each ``write`` goes straight to the OS, releasing the GIL), fsynced on close."""
+        path = self.path(rel)
+        if self.is_local:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb", buffering=0) as f:
+                yield f
+                os.fsync(f.fileno())
+        else:
+            with self.fs.open(path, "wb") as f:
+                yield f
+
+    @contextlib.contextmanager
+    def open_read(self, rel: str) -> Iterator[Any]:
+        """A seekable file to read ``rel`` from, with ``readinto`` (unbuffered on local disk)."""
+        path = self.path(rel)
+        if self.is_local:
+            with open(path, "rb", buffering=0) as f:
+                yield f
+        else:
+            with self.fs.open(path, "rb", **self.read_options) as f:
+                yield f
+
+    def sync_dir(self, rel: str) -> None:
+        """Make the directory entries in ``rel`` durable (local disk; a no-op elsewhere)."""
+        if self.is_local:
+            fd = os.open(self.path(rel), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def read_bytes(self, rel: str) -> bytes:
         """Read one whole object."""
@@ -241,13 +298,22 @@ class Storage:
 
     def sizes(self, rel: str = "") -> dict[str, int]:
         """``{name: size}`` of the files directly inside ``rel`` ({} when it does not exist)."""
-        entries = self._ls(rel)
-        return {posixpath.basename(e["name"].rstrip("/")): int(e.get("size") or 0)
-                for e in entries if e.get("type") != "directory"}
+        return {name: e.size for name, e in self.entries(rel).items() if e.kind == "file"}
 
     def listdir(self, rel: str = "") -> list[str]:
         """Sorted names (files and directories) directly inside ``rel`` ([] when it does not exist)."""
-        return sorted(posixpath.basename(e["name"].rstrip("/")) for e in self._ls(rel))
+        return sorted(self.entries(rel))
+
+    def entries(self, rel: str = "") -> dict[str, Entry]:
+        """What is directly inside ``rel``, by name: kind (``file``, ``directory`` or ``other``: a symbolic
+        link, a device, ...) and size ({} when it does not exist). Symbolic links are never followed."""
+        out = {}
+        for e in self._ls(rel):
+            kind = e.get("type")
+            if e.get("islink") or kind not in ("file", "directory"):
+                kind = "other"
+            out[posixpath.basename(e["name"].rstrip("/"))] = Entry(kind, int(e.get("size") or 0))
+        return out
 
     def _ls(self, rel: str) -> list[dict[str, Any]]:
         path = self.path(rel)
@@ -262,11 +328,29 @@ class Storage:
         self.fs.invalidate_cache(self.path(rel))
         return self._call("check", rel, self.fs.exists, self.path(rel))
 
-    def delete(self, rel: str) -> None:
-        """Delete a file, or a directory and everything in it; deleting nothing is not an error."""
+    def delete_file(self, rel: str) -> None:
+        """Delete one file (or object), literally: its name is never expanded as a glob pattern, a symbolic
+        link is removed itself, never what it points to. Deleting nothing is not an error."""
         path = self.path(rel)
         self.fs.invalidate_cache(path)
         try:
-            self._call("delete", rel, self.fs.rm, path, recursive=True)
+            self._call("delete", rel, self.fs.rm_file, path)
         except StorageNotFoundError:
             pass
+
+    def delete_empty_dir(self, rel: str) -> None:
+        """Remove the directory ``rel`` if it is empty (object stores have no directories: nothing to do)."""
+        if self.is_local:
+            try:
+                os.rmdir(self.path(rel))
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.warning("left %s in place: %s: %s", self.url_of(rel), type(e).__name__, e)
+        elif "memory" in _protocols(self.fs):
+            try:
+                self.fs.rmdir(self.path(rel))
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.warning("left %s in place: %s: %s", self.url_of(rel), type(e).__name__, e)

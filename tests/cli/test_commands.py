@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from ft_checkpoint import layout
-from ft_checkpoint.resume import UNLISTED
+from ft_checkpoint.layout import UNLISTED
 from tests.cli.conftest import HANG_AT, INTERVAL, SCRIPT, STEPS, TIMEOUT, cli, cli_json
 
 DISTCP = "__0_0.distcp"
@@ -167,22 +167,35 @@ class _Payload:
         return os.system, (f"touch {self.marker}",)
 
 
-def test_inspect_never_unpickles_anything_but_checkpoint_metadata(copy, tmp_path):
-    marker = str(tmp_path / "pwned")
-    evil = pickle.dumps(_Payload(marker))
-    with open(step_file(copy, STEPS, ".metadata"), "wb") as f:
+@pytest.mark.parametrize("payload", ["reduce", "dotted-name"])
+def test_inspect_never_unpickles_anything_but_checkpoint_metadata(tmp_path, payload):
+    """A format-1 step (pickled ``.metadata``, as 0.1 wrote) with a payload whose checksum was recomputed."""
+    from tests.core.test_untrusted import dotted_payload
+    from tests.helpers.legacy import replace_legacy_file, write_legacy_step
+    from tests.helpers.toy import make
+
+    url, marker = str(tmp_path / "legacy"), str(tmp_path / "pwned")
+    write_legacy_step(url, 5, make())
+    good = cli_json("inspect", url, "--step", 5)
+    assert good["manifest"]["format_version"] == 1 and any(t["name"] == "model/0.weight" for t in good["tensors"])
+    evil = pickle.dumps(_Payload(marker)) if payload == "reduce" else dotted_payload(marker)
+    with open(step_file(url, 5, ".metadata"), "wb") as f:
         f.write(evil)
-    bad = cli("inspect", copy, "--step", STEPS)  # the checksum no longer matches: refused before reading
+    bad = cli("inspect", url, "--step", 5)  # the checksum no longer matches: refused before reading
     assert bad.returncode == 2 and "does not match its checksum" in bad.stderr
-    manifest_path = step_file(copy, STEPS, layout.MANIFEST)
-    with open(manifest_path, "rb") as f:  # a forged manifest too: the allowlist still refuses
-        manifest = layout.Manifest.from_json(f.read())
-    manifest.files[".metadata"] = layout.FileEntry(size=len(evil), checksum=layout.checksum([evil]))
-    with open(manifest_path, "wb") as f:
-        f.write(manifest.to_json())
-    forged = cli("inspect", copy, "--step", STEPS)
-    assert forged.returncode == 2 and "posix.system" in forged.stderr and "refusing" in forged.stderr
+    replace_legacy_file(url, 5, ".metadata", evil)  # a forged manifest too: the allowlist still refuses
+    forged = cli("inspect", url, "--step", 5)
+    assert forged.returncode == 2 and "refusing to load it" in forged.stderr and "Traceback" not in forged.stderr
     assert not os.path.exists(marker)
+
+
+def test_inspect_reads_no_pickle_and_imports_no_torch(copy):
+    """Format 2 keeps its tensor metadata as JSON: inspect needs neither pickle nor torch."""
+    code = ("import sys; from ft_checkpoint.cli import main; rc = main(['inspect', sys.argv[1], '--json']); "
+            "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code, copy], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert '"dtype": "float32"' in proc.stdout
 
 
 def test_gc_dry_run_deletes_nothing_then_gc_keeps_the_newest(copy):

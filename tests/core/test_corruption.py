@@ -25,11 +25,11 @@ def flip_byte(s: Storage, rel: str) -> None:
 
 
 def delete_manifest(s: Storage, rel: str) -> None:
-    s.delete(f"{rel}/{layout.MANIFEST}")
+    s.delete_file(f"{rel}/{layout.MANIFEST}")
 
 
 def delete_shard(s: Storage, rel: str) -> None:
-    s.delete(f"{rel}/__0_0.distcp")
+    s.delete_file(f"{rel}/__0_0.distcp")
 
 
 def garbage_manifest(s: Storage, rel: str) -> None:
@@ -47,10 +47,10 @@ def stray_rank_file(s: Storage, rel: str) -> None:
 
 
 CORRUPTIONS = {
-    truncate_shard: "__0_0.distcp has",
-    flip_byte: "__0_0.distcp does not match its checksum",
+    truncate_shard: "__0_0.distcp: has",
+    flip_byte: "__0_0.distcp: bytes [",
     delete_manifest: "manifest.json is missing",
-    delete_shard: "__0_0.distcp is missing",
+    delete_shard: "__0_0.distcp: missing",
     garbage_manifest: "manifest.json: not valid JSON",
     stray_shard: "__0_1.distcp: not listed in the manifest",
     stray_rank_file: "rank_00001.pt: not listed in the manifest",
@@ -83,12 +83,32 @@ def test_falls_back_to_previous_step(backend, corrupt, caplog):
 
 
 def test_nothing_verifies_means_fresh_start(local_backend, caplog):
+    """A corrupt rank file is found before anything is loaded: the resume starts fresh with the state untouched."""
     with CheckpointManager(local_backend.url, interval=1) as ckpt:
         ckpt.save(1, make(), block=True)
+    s = Storage(local_backend.url)
+    s.write_bytes(f"{layout.step_dir(1)}/rank_00000.pt", b"x" * len(s.read_bytes(f"{layout.step_dir(1)}/rank_00000.pt")))
+    fresh = make()
+    with CheckpointManager(local_backend.url) as ckpt:
+        assert ckpt.resume(fresh) is None
+    assert "skipping step 1" in caplog.text and "rank_00000.pt: does not match its checksum" in caplog.text
+    assert_same(fresh, make())
+
+
+def test_corruption_found_while_loading_in_place_never_starts_fresh_with_half_loaded_state(local_backend):
+    """Bytes are checked as they are read into the state's own tensors: if the only step fails halfway, the
+    state may be half overwritten, so the resume raises (once: the step is set aside, and the next start is
+    fresh) instead of training on from a mix of old and new weights."""
+    with CheckpointManager(local_backend.url, interval=1) as ckpt:
+        ckpt.save(1, make(seed=1), block=True)
     flip_byte(Storage(local_backend.url), layout.step_dir(1))
     with CheckpointManager(local_backend.url) as ckpt:
-        assert ckpt.resume(make()) is None
-    assert "skipping step 1" in caplog.text
+        with pytest.raises(CheckpointCorruptError, match="may now be partly overwritten.*start the job again"):
+            ckpt.resume(make())
+    fresh = make()
+    with CheckpointManager(local_backend.url) as ckpt:
+        assert ckpt.resume(fresh) is None
+    assert_same(fresh, make())
 
 
 def test_manifest_naming_paths_outside_its_step_is_refused(local_backend, caplog):
@@ -112,13 +132,13 @@ def test_any_garbage_manifest_is_corrupt_never_a_crash(garbage):
 
 
 def test_stray_metadata_makes_the_step_corrupt(local_backend, caplog):
-    """DCP falls back to a rank-local ``__0.metadata`` when ``.metadata`` cannot be read: never an unverified one."""
+    """A file the manifest does not list (DCP's rank-local ``__0.metadata``, notes) makes the step corrupt."""
     with CheckpointManager(local_backend.url, interval=1) as ckpt:
         ckpt.save(1, make(), block=True)
         ckpt.save(2, make(), block=True)
     s = Storage(local_backend.url)
     rel = layout.step_dir(2)
-    s.write_bytes(f"{rel}/__0.metadata", s.read_bytes(f"{rel}/.metadata"))
+    s.write_bytes(f"{rel}/__0.metadata", s.read_bytes(f"{rel}/metadata.json"))
     s.write_bytes(f"{rel}/notes.txt", b"hello")
     with CheckpointManager(local_backend.url) as ckpt:
         assert ckpt.resume(make()) == 1

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from ft_checkpoint import CheckpointManager
-from ft_checkpoint.resume import verify_step
-from ft_checkpoint.retention import list_steps
+from ft_checkpoint.catalog import check_step
+from ft_checkpoint.layout import list_steps
 from ft_checkpoint.storage import Storage
 from tests.helpers.crash_child import expected_state
 from tests.helpers.toy import assert_same
@@ -60,7 +60,7 @@ def check_directory(url: str) -> int | None:
     storage = Storage(url)
     for step, committed in list_steps(storage).items():
         if committed:
-            verify_step(storage, step)  # raises if a manifest names anything broken
+            assert check_step(storage, step).ok, check_step(storage, step).problems  # every file named is intact
     state = expected_state(0)
     with CheckpointManager(url) as ckpt:
         step = ckpt.resume(state)

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from ft_checkpoint.resume import read_manifest
+from ft_checkpoint.layout import read_manifest
 from ft_checkpoint.storage import Storage
 from tests.servers import free_port
 
@@ -36,3 +36,15 @@ def test_sharded_save_then_load_on_2_and_on_1_rank(tmp_path):
     assert "rank 0/2: bit-exact" in out2 and "rank 1/2: bit-exact" in out2
     out1 = torchrun(1, "load", url, str(tmp_path))
     assert "rank 0/1: bit-exact" in out1
+
+
+def test_per_rank_tensors_come_back_to_their_own_rank(tmp_path):
+    out = torchrun(2, "per_rank", str(tmp_path / "ckpt"), str(tmp_path))
+    assert "rank 0: own batch back" in out and "rank 1: own batch back" in out
+
+
+def test_a_shared_tensor_that_differs_across_ranks_is_refused_naming_it(tmp_path):
+    """Before: DCP wrote one rank's copy and every rank resumed with it, silently."""
+    out = torchrun(2, "diverge", str(tmp_path / "ckpt"), str(tmp_path))
+    assert "rank 0: refused" in out and "rank 1: refused" in out
+    assert "1 tensor(s) of the shared state differ across ranks: batch" in out and "per_rank=" in out

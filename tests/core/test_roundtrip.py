@@ -32,15 +32,15 @@ def test_roundtrip_is_bit_exact(backend):
 
 
 def test_manifest_records_step_epoch_and_metadata(local_backend):
-    from ft_checkpoint.resume import read_manifest
+    from ft_checkpoint.layout import read_manifest
     from ft_checkpoint.storage import Storage
 
     with CheckpointManager(local_backend.url, interval=1) as ckpt:
         ckpt.save(7, make(), epoch=2, metadata={"run": "a"}, block=True)
     m = read_manifest(Storage(local_backend.url), 7)
     assert (m.step, m.epoch, m.world_size, m.metadata) == (7, 2, 1, {"run": "a"})
-    assert {"rank_00000.pt", ".metadata", "__0_0.distcp"} <= set(m.files)
-    assert all(f.checksum.startswith("sha256:") and f.size > 0 for f in m.files.values())
+    assert set(m.files) == {"rank_00000.pt", "metadata.json", "__0_0.distcp"} and m.format_version == 2
+    assert all(f.checksum.startswith("crc32c:") and f.size > 0 for f in m.files.values())
     assert m.versions["torch"] == torch.__version__
 
 

@@ -2,10 +2,14 @@
 
     torchrun --nproc-per-node 2 tests/helpers/dist_worker.py save  URL OUT_DIR
     torchrun --nproc-per-node N tests/helpers/dist_worker.py load  URL OUT_DIR
+    torchrun --nproc-per-node 2 tests/helpers/dist_worker.py per_rank URL OUT_DIR
+    torchrun --nproc-per-node 2 tests/helpers/dist_worker.py diverge URL OUT_DIR
 
 ``save`` trains 3 DDP steps, saves step 3 through CheckpointManager, and writes what every rank expects
 to load (its state and the next random numbers) to OUT_DIR. ``load`` resumes on any number of ranks
-and exits non-zero unless everything matches bit for bit.
+and exits non-zero unless everything matches bit for bit. ``per_rank`` keeps a prefetched batch that
+differs by rank, as nanoGPT-style loops do, in ``per_rank=`` and checks each rank gets its own back;
+``diverge`` puts such a batch in the shared state and checks that the save fails naming it.
 """
 
 from __future__ import annotations
@@ -35,6 +39,10 @@ def main() -> None:
     mode, url, out = sys.argv[1:4]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if mode in ("per_rank", "diverge"):
+        globals()[mode](url, rank)
+        dist.destroy_process_group()
+        return
     state = build(rank if mode == "save" else 99)
     with CheckpointManager(url, interval=1) as ckpt:
         if mode == "save":
@@ -50,6 +58,36 @@ def main() -> None:
             assert torch.equal(torch.rand(4), expected["rand"]), "RNG state differs"
             print(f"rank {rank}/{world}: bit-exact", flush=True)
     dist.destroy_process_group()
+
+
+def per_rank(url: str, rank: int) -> None:
+    """A batch prefetched per rank (nanoGPT's ``x, y = get_batch()`` before the loop) survives a resume."""
+    state = make(seed=0)
+    batch = {"x": torch.full((4, 8), float(rank)), "y": torch.arange(4) + 100 * rank}
+    with CheckpointManager(url, interval=1) as ckpt:
+        ckpt.save(1, state, per_rank={"batch": batch}, block=True)
+    mine = {"batch": {"x": torch.zeros(4, 8), "y": torch.zeros(4, dtype=torch.int64)}}
+    with CheckpointManager(url) as ckpt:
+        assert ckpt.resume(make(seed=1), per_rank=mine) == 1
+    assert torch.equal(mine["batch"]["x"], batch["x"]) and torch.equal(mine["batch"]["y"], batch["y"]), mine
+    print(f"rank {rank}: own batch back", flush=True)
+
+
+def diverge(url: str, rank: int) -> None:
+    """The same batch in the shared state: it would come back as one rank's value everywhere."""
+    from ft_checkpoint.errors import SaveError, StateMismatchError
+
+    state = {**make(seed=0), "batch": torch.full((4, 8), float(rank))}
+    with CheckpointManager(url, interval=1, on_save_error="warn") as ckpt:
+        ckpt.save(1, state)
+        try:
+            ckpt.wait()
+        except SaveError as e:
+            assert isinstance(e.__cause__, StateMismatchError), repr(e.__cause__)
+            print(f"rank {rank}: refused: {e}", flush=True)
+        else:
+            raise AssertionError("a tensor that differs across ranks was saved as replicated")
+        assert ckpt.latest() is None
 
 
 if __name__ == "__main__":

@@ -38,11 +38,30 @@ def test_exists_and_delete(storage):
     storage.write_bytes("d/one", b"1")
     storage.write_bytes("d/two", b"2")
     assert storage.exists("d/one")
-    storage.delete("d/one")
+    storage.delete_file("d/one")
     assert not storage.exists("d/one") and storage.exists("d/two")
-    storage.delete("d")
-    assert storage.listdir("d") == []
-    storage.delete("never-existed")  # not an error
+    storage.delete_file("d/two")
+    storage.delete_empty_dir("d")
+    assert storage.listdir("d") == [] and "d" not in storage.listdir("")
+    storage.delete_file("never-existed")  # not an error
+
+
+def test_delete_is_literal_never_a_pattern(storage):
+    """fsspec's ``rm`` expands ``*?[]`` on object stores and memory://: deleting ``sweep[1]/a`` also deleted
+    ``sweep1/a``. Our deletes name one object, literally."""
+    for name in ("sweep[1]/a", "sweep1/a", "star*/a", "starX/a", "q?/a", "qq/a"):
+        storage.write_bytes(name, b"x")
+    for name in ("sweep[1]/a", "star*/a", "q?/a"):
+        storage.delete_file(name)
+    for name in ("sweep1/a", "starX/a", "qq/a"):
+        assert storage.exists(name), f"deleting a pattern-like name also deleted {name}"
+    assert not any(storage.exists(n) for n in ("sweep[1]/a", "star*/a", "q?/a"))
+
+
+@pytest.mark.parametrize("url", ["/tmp/runs/sweep[1]", "memory://runs/sweep*", "s3://b/run?", "gs://b/r[a-z]"])
+def test_a_dirpath_with_glob_characters_is_refused(url):
+    with pytest.raises(ConfigError, match=r"dirpath=.*expands as a pattern.*HINT"):
+        Storage(url)
 
 
 def test_streamed_checksum_matches_whole(storage):
