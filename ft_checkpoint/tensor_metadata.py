@@ -196,7 +196,8 @@ def check_ranges(chunks: Iterable[Any]) -> None:
     """Raise CheckpointCorruptError if two chunks (with ``file``, ``offset``, ``length``) share bytes of a file."""
     by_file: dict[str, list[Any]] = {}
     for c in chunks:
-        by_file.setdefault(c.file, []).append(c)
+        if c.length:  # an empty chunk (an empty shard of an unevenly sharded tensor) holds no bytes
+            by_file.setdefault(c.file, []).append(c)
     for name, parts in by_file.items():
         end = 0
         for c in sorted(parts, key=lambda c: c.offset):
