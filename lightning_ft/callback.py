@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy, Strategy
@@ -38,7 +37,8 @@ from ft_checkpoint import CheckpointConfig, CheckpointManager, ConfigError, FTCh
 from ft_checkpoint.errors import Preempted
 from ft_checkpoint.state import rng_state, set_rng_state
 from lightning_ft import _lightning_internals as internals
-from lightning_ft._state import encode_tensor, from_core, rank0_buffers, to_core
+from lightning_ft._data import EpochStart
+from lightning_ft._state import from_core, rank0_buffers, to_core
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -97,7 +97,7 @@ class _SafePoint:
     step: int
     loops: dict[str, Any]
     rng: dict[str, Any]
-    iter_rng: torch.Tensor | None
+    epoch_start: EpochStart | None
 
 
 class FaultTolerantCheckpoint(Checkpoint):
@@ -167,7 +167,7 @@ class FaultTolerantCheckpoint(Checkpoint):
 
     def _reset(self) -> None:
         self._resume: dict[str, Any] | None = None
-        self._iter_rng: torch.Tensor | None = None
+        self._epoch_start: EpochStart | None = None
         self._last_step: int | None = None
         self._pending = False
         self._undo_warning: Any = None
@@ -197,10 +197,9 @@ class FaultTolerantCheckpoint(Checkpoint):
             timeout = datetime.timedelta(seconds=min(self.drain_timeout, AGREE_TIMEOUT))
             self._exception_group = dist.new_group(backend="gloo", timeout=timeout)
         internals.intercept_resume(trainer, self._load)
+        internals.before_first_iterator(trainer, lambda: self._capture_epoch_start(trainer))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._resume is None:  # the first epoch's iterator is created after this, from this RNG state
-            self._iter_rng = torch.get_rng_state()
         if self.save_on_exception:
             self._hooks = [opt.register_step_pre_hook(self._on_optimizer_step) for opt in trainer.optimizers]
 
@@ -212,7 +211,11 @@ class FaultTolerantCheckpoint(Checkpoint):
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.current_epoch > 0:  # this epoch's iterator is created right after this hook
-            self._iter_rng = torch.get_rng_state()
+            self._capture_epoch_start(trainer)
+
+    def _capture_epoch_start(self, trainer: pl.Trainer) -> None:
+        """Remember what the epoch's iterator is about to draw its order and worker seeds from."""
+        self._epoch_start = EpochStart.capture(internals.train_loaders(trainer))
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -232,11 +235,11 @@ class FaultTolerantCheckpoint(Checkpoint):
             self._remember_safe_point(trainer, step if resumable else None)
         if resumable and self._pending:  # a save asked for at an earlier batch, where a resume could not start
             self._pending = False
-            self._save(trainer, step, lambda: self._snapshot(trainer, self._iter_rng))
+            self._save(trainer, step, lambda: self._snapshot(trainer, self._epoch_start))
             if self.manager.preempted:
                 self.manager.stop_for_preemption()
         elif resumable:  # a preemption notice makes this the final save, then exits (Preempted)
-            self._save(trainer, step, lambda: self._snapshot(trainer, self._iter_rng), if_due=True)
+            self._save(trainer, step, lambda: self._snapshot(trainer, self._epoch_start), if_due=True)
         elif self.manager.should_save(step):
             self._pending = True
 
@@ -286,15 +289,17 @@ class FaultTolerantCheckpoint(Checkpoint):
         self.resumed_from = step
         loader = from_core(state["loader"])
         self._resume = {"rng": rng_state() if self.manager.config.save_rng_state else None,
-                        "iter_rng": loader.get("iter_rng")}
+                        "epoch_start": EpochStart.from_state(loader)}
         return from_core(state["lightning"])
 
     def _continue_epoch(self, trainer: pl.Trainer, resume: dict[str, Any]) -> None:
         """Put the data where the interrupted epoch stopped, then the RNG where the saved step left it."""
-        self._iter_rng = resume["iter_rng"]
+        start: EpochStart | None = resume["epoch_start"]
+        self._epoch_start = start
         skip = internals.batches_done_in_epoch(trainer)
         if 0 < skip < trainer.num_training_batches and not internals.loaders_restore_themselves(trainer):
-            if self._iter_rng is not None and internals.replay_epoch(trainer, self._iter_rng, skip):
+            loaders = internals.train_loaders(trainer)
+            if start is not None and internals.replay_epoch(trainer, lambda: start.restore(loaders), skip):
                 self._undo_warning = internals.silence_midepoch_warning()
             elif trainer.is_global_zero:
                 log.warning("cannot put this train dataloader back at batch %d of the epoch (it has no length, or "
@@ -312,16 +317,16 @@ class FaultTolerantCheckpoint(Checkpoint):
         """Whether a resume can start right after the current batch (the same answer on every rank)."""
         return not (trainer.should_stop or internals.is_last_batch(trainer) or internals.validation_follows(trainer))
 
-    def _snapshot(self, trainer: pl.Trainer, iter_rng: torch.Tensor | None,
+    def _snapshot(self, trainer: pl.Trainer, epoch_start: EpochStart | None,
                   loops: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The state to save: Lightning's checkpoint dict (translated) and the epoch iterator's RNG."""
+        """The state to save: Lightning's checkpoint dict (translated) and what the epoch's data order came from."""
         checkpoint = internals.dump_checkpoint(trainer)
         if loops is not None:
             checkpoint["loops"] = loops
         if isinstance(trainer.strategy, DDPStrategy) and trainer.world_size > 1:
             checkpoint["state_dict"] = rank0_buffers(checkpoint["state_dict"], trainer.lightning_module)
         return {"lightning": to_core(checkpoint),
-                "loader": {"iter_rng": encode_tensor(iter_rng)} if iter_rng is not None else {}}
+                "loader": epoch_start.to_state() if epoch_start is not None else {}}
 
     def _save(self, trainer: pl.Trainer, step: int, snapshot: Callable[[], dict[str, Any]], *,
               if_due: bool = False) -> None:
@@ -403,7 +408,8 @@ class FaultTolerantCheckpoint(Checkpoint):
     def _remember_safe_point(self, trainer: pl.Trainer, step: int | None) -> None:
         self._stepped_since_safe = False
         self._safe_point = None if step is None else _SafePoint(
-            step=step, loops=copy.deepcopy(internals.loops_state(trainer)), rng=rng_state(), iter_rng=self._iter_rng)
+            step=step, loops=copy.deepcopy(internals.loops_state(trainer)), rng=rng_state(),
+            epoch_start=self._epoch_start)
 
     def _save_safe_point(self, trainer: pl.Trainer, exception: BaseException) -> None:
         safe, why = self._safe_point, type(exception).__name__
@@ -416,7 +422,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         if any(s.step == step for s in self.saves):
             return  # saved already
         set_rng_state(safe.rng)  # the manager saves the RNG as of the call
-        self._save(trainer, step, lambda: self._snapshot(trainer, safe.iter_rng, loops=safe.loops))
+        self._save(trainer, step, lambda: self._snapshot(trainer, safe.epoch_start, loops=safe.loops))
         if trainer.is_global_zero:
             log.info("save_on_exception: saving step %d after the %s", step, why)
 
