@@ -1,6 +1,6 @@
 """Every use of Lightning's (and torch's DataLoader's) private API in lightning_ft, in one place.
 
-Lightning offers no public way to do four things a fault-tolerant callback needs:
+Lightning offers no public way to do five things a fault-tolerant callback needs:
 
 1. build the full checkpoint dict of a run without writing it (``_checkpoint_connector.dump_checkpoint``);
 2. make ``fit()`` restore from a dict instead of a file (``_checkpoint_connector.resume_start`` and
@@ -10,7 +10,9 @@ Lightning offers no public way to do four things a fault-tolerant callback needs
    DataLoader iterator's ``_next_index``);
 4. see the RNG states an epoch's order comes from right before the first epoch's iterator is created
    (``fit_loop._load_combined_loader_states`` runs just before), and the samplers Lightning wrapped
-   (``_DatasetSamplerWrapper._sampler``).
+   (``_DatasetSamplerWrapper._sampler``);
+5. accept ``Trainer(enable_checkpointing=False)`` with this callback as the only ``Checkpoint``
+   (``_CallbackConnector._configure_checkpoint_callbacks`` refuses any ``Checkpoint`` then).
 
 Each use is a small function here. ``tests/lightning/test_lightning_internals.py`` exercises every one
 of them against the installed Lightning and fails, naming this module, when a release changes one.
@@ -23,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from collections.abc import Callable
@@ -93,6 +96,31 @@ def release_resume(trainer: pl.Trainer) -> None:
     """Undo :func:`intercept_resume` if the fit ended before restoring, and :func:`before_first_iterator`."""
     trainer._checkpoint_connector.__dict__.pop("resume_start", None)
     trainer.fit_loop.__dict__.pop("_load_combined_loader_states", None)
+
+
+def allow_without_lightning_checkpointing(callback_type: type) -> None:
+    """Let ``Trainer(enable_checkpointing=False)`` take ``callback_type`` as its only ``Checkpoint`` callbacks.
+
+    Lightning refuses any ``Checkpoint`` callback with ``enable_checkpointing=False`` (its message names
+    ``ModelCheckpoint``), before any hook of a callback runs. With only ``callback_type`` there is nothing
+    of Lightning's to add or refuse, so the check passes; every other case is Lightning's own. Patches
+    Lightning's class once per process; idempotent.
+    """
+    from lightning.pytorch.trainer.connectors.callback_connector import _CallbackConnector
+
+    original = _CallbackConnector._configure_checkpoint_callbacks
+    if getattr(original, "_lightning_ft", False):
+        return
+
+    @functools.wraps(original)
+    def configure_checkpoint_callbacks(self: Any, enable_checkpointing: bool) -> None:
+        callbacks = self.trainer.checkpoint_callbacks
+        if not enable_checkpointing and callbacks and all(isinstance(cb, callback_type) for cb in callbacks):
+            return  # "not Lightning's checkpoints, ours": nothing to add, nothing to refuse
+        original(self, enable_checkpointing)
+
+    configure_checkpoint_callbacks._lightning_ft = True  # type: ignore[attr-defined]
+    _CallbackConnector._configure_checkpoint_callbacks = configure_checkpoint_callbacks
 
 
 # -- where in the epoch are we --------------------------------------------------------------------

@@ -43,9 +43,10 @@ def test_private_names_exist():
         f"{HINT}: the mid-epoch resume warning changed"
 
 
-def test_private_names_for_the_epoch_start_exist():
+def test_private_names_for_the_epoch_start_and_enable_checkpointing_exist():
     from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
     from lightning.pytorch.loops.fit_loop import _FitLoop
+    from lightning.pytorch.trainer.connectors.callback_connector import _CallbackConnector
 
     setup_data = inspect.getsource(_FitLoop.setup_data)
     before, after = "self._load_combined_loader_states()", "iter(self._data_fetcher)"
@@ -53,6 +54,10 @@ def test_private_names_for_the_epoch_start_exist():
     inner = torch.utils.data.RandomSampler(range(4))
     wrapper = DistributedSamplerWrapper(inner, num_replicas=2, rank=0)
     assert wrapper.dataset._sampler is inner, f"{HINT}: _DatasetSamplerWrapper._sampler"
+    configure = _CallbackConnector._configure_checkpoint_callbacks
+    source = inspect.getsource(getattr(configure, "__wrapped__", configure))
+    assert "self.trainer.checkpoint_callbacks" in source and "enable_checkpointing=False" in source, \
+        f"{HINT}: _CallbackConnector._configure_checkpoint_callbacks"
 
 
 class FirstIterator(pl.Callback):
