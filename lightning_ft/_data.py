@@ -100,5 +100,6 @@ class EpochStart:
         state = from_core(state)
         if state.get("iter_rng") is None:
             return None
-        return cls(state["iter_rng"], [{"generators": dict(dl.get("generators", {})), "seeds": dict(dl.get("seeds", {}))}
-                                       for dl in state.get("loaders", [])])
+        loaders = [{"generators": dict(dl.get("generators", {})), "seeds": dict(dl.get("seeds", {}))}
+                   for dl in state.get("loaders", [])]
+        return cls(state["iter_rng"], loaders)

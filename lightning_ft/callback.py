@@ -123,6 +123,11 @@ class FaultTolerantCheckpoint(Checkpoint):
     epoch or right before validation happens one batch later (resuming there would skip the epoch end or
     the validation). An explicit ``trainer.fit(ckpt_path=...)`` wins over the automatic resume. This
     callback replaces Lightning's default ``ModelCheckpoint``; add one yourself to keep best-k files.
+    ``Trainer(enable_checkpointing=False)`` is accepted when this is the only checkpoint callback.
+
+    What the user needs to see goes through Lightning's rank-zero info channel: where checkpoints go,
+    the step a fit resumes from, when the next save is due. A resume on another number of ranks than
+    the checkpoint's warns: the data position in the resumed epoch is not exact then.
 
     Preemption: SIGTERM and SIGUSR1 (``preemption_signals``) only raise a flag. At the next batch end
     a resume can start after, every rank agrees, that step is saved and committed, the journal records

@@ -73,10 +73,12 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--interval", type=lambda v: int(v) if v.isdigit() else v, default=4, help="steps, '30m', 'adaptive'")
+    p.add_argument("--interval", type=lambda v: int(v) if v.isdigit() else v, default=4,
+                   help="steps, '30m', 'adaptive'")
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--kill-how", choices=["batch_end", "writing"], default="batch_end")
-    p.add_argument("--kill-after-commit", action="store_true", help="before a batch_end kill, wait for the save to commit")
+    p.add_argument("--kill-after-commit", action="store_true",
+                   help="before a batch_end kill, wait for the save in flight to commit")
     p.add_argument("--loader", choices=LOADERS, default="shuffle")
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--augment", action="store_true", help="randomness in Dataset.__getitem__")
