@@ -79,7 +79,8 @@ def train(steps: int, crash_after: int | None = None) -> None:
     pl.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(steps * 16 // 5, 64, generator=g)
-    data = DataLoader(TensorDataset(x, x[:, :1].sin()), batch_size=16, shuffle=True)
+    data = DataLoader(TensorDataset(x, x[:, :1].sin()), batch_size=16, shuffle=True,
+                      generator=torch.Generator().manual_seed(1))  # reproducible shuffling, resumed exactly
     ft = FaultTolerantCheckpoint(interval=10)  # the default dirpath: ./ft_checkpoints here
     trainer = pl.Trainer(max_epochs=5, accelerator="cpu", callbacks=[ft], logger=False, enable_progress_bar=False,
                          enable_model_summary=False)

@@ -1,13 +1,18 @@
 """Every use of Lightning's (and torch's DataLoader's) private API in lightning_ft, in one place.
 
-Lightning offers no public way to do three things a fault-tolerant callback needs:
+Lightning offers no public way to do five things a fault-tolerant callback needs:
 
 1. build the full checkpoint dict of a run without writing it (``_checkpoint_connector.dump_checkpoint``);
 2. make ``fit()`` restore from a dict instead of a file (``_checkpoint_connector.resume_start`` and
    ``_loaded_checkpoint``);
 3. put a plain ``DataLoader`` back at the batch where the interrupted epoch stopped (Lightning restarts
    the epoch's iterator from its first batch; ``fit_loop._data_fetcher`` / ``_combined_loader``, the
-   DataLoader iterator's ``_next_index``).
+   DataLoader iterator's ``_next_index``);
+4. see the RNG states an epoch's order comes from right before the first epoch's iterator is created
+   (``fit_loop._load_combined_loader_states`` runs just before), and the samplers Lightning wrapped
+   (``_DatasetSamplerWrapper._sampler``);
+5. accept ``Trainer(enable_checkpointing=False)`` with this callback as the only ``Checkpoint``
+   (``_CallbackConnector._configure_checkpoint_callbacks`` refuses any ``Checkpoint`` then).
 
 Each use is a small function here. ``tests/lightning/test_lightning_internals.py`` exercises every one
 of them against the installed Lightning and fails, naming this module, when a release changes one.
@@ -20,12 +25,12 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
 
 if TYPE_CHECKING:
@@ -88,8 +93,34 @@ def intercept_resume(trainer: pl.Trainer, load: Callable[[Any], dict[str, Any] |
 
 
 def release_resume(trainer: pl.Trainer) -> None:
-    """Undo :func:`intercept_resume` if the fit ended before restoring."""
+    """Undo :func:`intercept_resume` if the fit ended before restoring, and :func:`before_first_iterator`."""
     trainer._checkpoint_connector.__dict__.pop("resume_start", None)
+    trainer.fit_loop.__dict__.pop("_load_combined_loader_states", None)
+
+
+def allow_without_lightning_checkpointing(callback_type: type) -> None:
+    """Let ``Trainer(enable_checkpointing=False)`` take ``callback_type`` as its only ``Checkpoint`` callbacks.
+
+    Lightning refuses any ``Checkpoint`` callback with ``enable_checkpointing=False`` (its message names
+    ``ModelCheckpoint``), before any hook of a callback runs. With only ``callback_type`` there is nothing
+    of Lightning's to add or refuse, so the check passes; every other case is Lightning's own. Patches
+    Lightning's class once per process; idempotent.
+    """
+    from lightning.pytorch.trainer.connectors.callback_connector import _CallbackConnector
+
+    original = _CallbackConnector._configure_checkpoint_callbacks
+    if getattr(original, "_lightning_ft", False):
+        return
+
+    @functools.wraps(original)
+    def configure_checkpoint_callbacks(self: Any, enable_checkpointing: bool) -> None:
+        callbacks = self.trainer.checkpoint_callbacks
+        if not enable_checkpointing and callbacks and all(isinstance(cb, callback_type) for cb in callbacks):
+            return  # "not Lightning's checkpoints, ours": nothing to add, nothing to refuse
+        original(self, enable_checkpointing)
+
+    configure_checkpoint_callbacks._lightning_ft = True  # type: ignore[attr-defined]
+    _CallbackConnector._configure_checkpoint_callbacks = configure_checkpoint_callbacks
 
 
 # -- where in the epoch are we --------------------------------------------------------------------
@@ -127,13 +158,52 @@ def loaders_restore_themselves(trainer: pl.Trainer) -> bool:
                                  for dl in loaders)
 
 
-def replay_epoch(trainer: pl.Trainer, iterator_rng: torch.Tensor, skip: int) -> bool:
+def before_first_iterator(trainer: pl.Trainer, fn: Callable[[], None]) -> None:
+    """Call ``fn()`` whenever this fit has just loaded its train dataloaders, right before it creates their
+    first iterator (the first epoch's, or the one after ``reload_dataloaders_every_n_epochs``).
+
+    :func:`train_loaders` returns the new loaders inside ``fn``. Undone by :func:`release_resume`.
+    """
+    loop = trainer.fit_loop
+    original = type(loop)._load_combined_loader_states.__get__(loop)
+
+    def load_combined_loader_states() -> None:
+        original()  # stateful loaders get their state here; nothing draws from an RNG
+        fn()
+
+    loop._load_combined_loader_states = load_combined_loader_states
+
+
+def samplers(dataloader: Any) -> list[tuple[str, Any]]:
+    """The index samplers of ``dataloader`` by attribute path, outermost first, each once (``sampler``,
+    ``batch_sampler``, ``batch_sampler.sampler``, ...), including the sampler inside Lightning's
+    ``DistributedSamplerWrapper`` (``sampler.dataset._sampler``)."""
+    from lightning.fabric.utilities.distributed import _DatasetSamplerWrapper
+
+    found: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+    todo = [(name, getattr(dataloader, name, None)) for name in ("sampler", "batch_sampler")]
+    while todo:
+        path, node = todo.pop(0)
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        found.append((path, node))
+        todo.append((f"{path}.sampler", getattr(node, "sampler", None)))
+        dataset = getattr(node, "dataset", None)
+        if isinstance(dataset, _DatasetSamplerWrapper):
+            todo.append((f"{path}.dataset._sampler", dataset._sampler))
+    return found
+
+
+def replay_epoch(trainer: pl.Trainer, restore_epoch_start: Callable[[], None], skip: int) -> bool:
     """Re-create the current epoch's train iterator as it was first created, then skip ``skip`` batches.
 
-    ``iterator_rng`` is the torch RNG state from right before the epoch's iterator was created (the
-    iterator draws its shuffle seed and worker seeds from it). Batches are skipped without loading
-    them when that is exact (map-style dataset, no workers). Returns False, changing nothing, when the
-    loaders have no length or the fetcher hands the iterator to ``training_step``.
+    ``restore_epoch_start()`` is called after the samplers' ``set_epoch`` and right before the iterator is
+    created: it puts back the RNG states the iterator draws its shuffle and worker seeds from (the torch
+    RNG, the loader's and samplers' generators). Batches are skipped without loading them when that is
+    exact (map-style dataset, no workers). Returns False, changing nothing, when the loaders have no
+    length or the fetcher hands the iterator to ``training_step``.
     """
     from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
 
@@ -146,7 +216,7 @@ def replay_epoch(trainer: pl.Trainer, iterator_rng: torch.Tensor, skip: int) -> 
     epoch = loop.epoch_progress.current.processed
     for dl in combined.flattened:
         _set_sampler_epoch(dl, epoch)
-    torch.set_rng_state(iterator_rng)
+    restore_epoch_start()
     iter(fetcher)  # a new iterator in the fetcher, fetched = 0 (the epoch loop adds the restored count)
     it = combined._iterator
     fast = len(it.iterators) == 1 and _can_skip_without_loading(it.iterators[0])

@@ -29,16 +29,17 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy, Strategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ft_checkpoint import CheckpointConfig, CheckpointManager, ConfigError, FTCheckpointError, SavePolicy, SaveStats
 from ft_checkpoint.errors import Preempted
 from ft_checkpoint.state import rng_state, set_rng_state
 from lightning_ft import _lightning_internals as internals
-from lightning_ft._state import encode_tensor, from_core, rank0_buffers, to_core
+from lightning_ft._data import EpochStart
+from lightning_ft._state import from_core, rank0_buffers, to_core
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -97,7 +98,7 @@ class _SafePoint:
     step: int
     loops: dict[str, Any]
     rng: dict[str, Any]
-    iter_rng: torch.Tensor | None
+    epoch_start: EpochStart | None
 
 
 class FaultTolerantCheckpoint(Checkpoint):
@@ -122,6 +123,11 @@ class FaultTolerantCheckpoint(Checkpoint):
     epoch or right before validation happens one batch later (resuming there would skip the epoch end or
     the validation). An explicit ``trainer.fit(ckpt_path=...)`` wins over the automatic resume. This
     callback replaces Lightning's default ``ModelCheckpoint``; add one yourself to keep best-k files.
+    ``Trainer(enable_checkpointing=False)`` is accepted when this is the only checkpoint callback.
+
+    What the user needs to see goes through Lightning's rank-zero info channel: where checkpoints go,
+    the step a fit resumes from, when the next save is due. A resume on another number of ranks than
+    the checkpoint's warns: the data position in the resumed epoch is not exact then.
 
     Preemption: SIGTERM and SIGUSR1 (``preemption_signals``) only raise a flag. At the next batch end
     a resume can start after, every rank agrees, that step is saved and committed, the journal records
@@ -146,6 +152,7 @@ class FaultTolerantCheckpoint(Checkpoint):
                  drain_timeout: float = 300.0, policy: SavePolicy | None = None, **config: Any) -> None:
         super().__init__()
         CheckpointConfig.from_env(dirpath=dirpath, **config)  # a bad value fails here, not at fit time
+        internals.allow_without_lightning_checkpointing(FaultTolerantCheckpoint)
         self.dirpath = dirpath
         self.save_on_exception = save_on_exception
         self.drain_timeout = drain_timeout
@@ -167,7 +174,8 @@ class FaultTolerantCheckpoint(Checkpoint):
 
     def _reset(self) -> None:
         self._resume: dict[str, Any] | None = None
-        self._iter_rng: torch.Tensor | None = None
+        self._epoch_start: EpochStart | None = None
+        self._started = time.monotonic()
         self._last_step: int | None = None
         self._pending = False
         self._undo_warning: Any = None
@@ -190,17 +198,20 @@ class FaultTolerantCheckpoint(Checkpoint):
         # Run last: RNG drawn by other callbacks in a batch is then part of the saved state, and
         # trainer.checkpoint_callback stays the user's ModelCheckpoint if there is one.
         trainer.callbacks = [cb for cb in trainer.callbacks if cb is not self] + [self]
-        self.manager = CheckpointManager(self._resolve_dirpath(trainer), policy=self.policy, **self.config)
+        dirpath, default = self._resolve_dirpath(trainer)
+        self.manager = CheckpointManager(dirpath, policy=self.policy, **self.config)
+        rank_zero_info(f"FaultTolerantCheckpoint: checkpoints go to {self.manager.storage.url}"
+                       + (f" (no dirpath given: <default_root_dir>/{DEFAULT_SUBDIR})" if default else ""))
         self._active = True
+        self._started = time.monotonic()
         if self.save_on_exception and trainer.world_size > 1 and dist.is_initialized():
             # lets the ranks agree after an exception, with a deadline (a gloo group honours its timeout)
             timeout = datetime.timedelta(seconds=min(self.drain_timeout, AGREE_TIMEOUT))
             self._exception_group = dist.new_group(backend="gloo", timeout=timeout)
         internals.intercept_resume(trainer, self._load)
+        internals.before_first_iterator(trainer, lambda: self._capture_epoch_start(trainer))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._resume is None:  # the first epoch's iterator is created after this, from this RNG state
-            self._iter_rng = torch.get_rng_state()
         if self.save_on_exception:
             self._hooks = [opt.register_step_pre_hook(self._on_optimizer_step) for opt in trainer.optimizers]
 
@@ -209,10 +220,15 @@ class FaultTolerantCheckpoint(Checkpoint):
         resume, self._resume = self._resume, None
         if resume is not None:
             self._continue_epoch(trainer, resume)
+        self._announce_start(trainer, resumed=resume is not None)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.current_epoch > 0:  # this epoch's iterator is created right after this hook
-            self._iter_rng = torch.get_rng_state()
+            self._capture_epoch_start(trainer)
+
+    def _capture_epoch_start(self, trainer: pl.Trainer) -> None:
+        """Remember what the epoch's iterator is about to draw its order and worker seeds from."""
+        self._epoch_start = EpochStart.capture(internals.train_loaders(trainer))
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -232,15 +248,17 @@ class FaultTolerantCheckpoint(Checkpoint):
             self._remember_safe_point(trainer, step if resumable else None)
         if resumable and self._pending:  # a save asked for at an earlier batch, where a resume could not start
             self._pending = False
-            self._save(trainer, step, lambda: self._snapshot(trainer, self._iter_rng))
+            self._save(trainer, step, lambda: self._snapshot(trainer, self._epoch_start))
             if self.manager.preempted:
                 self.manager.stop_for_preemption()
         elif resumable:  # a preemption notice makes this the final save, then exits (Preempted)
-            self._save(trainer, step, lambda: self._snapshot(trainer, self._iter_rng), if_due=True)
+            self._save(trainer, step, lambda: self._snapshot(trainer, self._epoch_start), if_due=True)
         elif self.manager.should_save(step):
             self._pending = True
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._active and not self.saves:
+            self._announce_no_save(trainer)
         self._close(trainer)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -263,13 +281,12 @@ class FaultTolerantCheckpoint(Checkpoint):
         self._run_within(self.drain_timeout, lambda: self._drain_after(trainer, exception, save))
 
     # -- resuming ------------------------------------------------------------------------------
-    def _resolve_dirpath(self, trainer: pl.Trainer) -> str:
+    def _resolve_dirpath(self, trainer: pl.Trainer) -> tuple[str, bool]:
+        """The checkpoint directory, and whether it is the default one under ``default_root_dir``."""
         dirpath = self.dirpath or CheckpointConfig.from_env(**self.config).dirpath
         if dirpath is None:
-            dirpath = os.path.join(trainer.default_root_dir, DEFAULT_SUBDIR)
-            if trainer.is_global_zero:
-                log.info("FaultTolerantCheckpoint: no dirpath given; checkpoints go to %s", dirpath)
-        return dirpath
+            return os.path.join(trainer.default_root_dir, DEFAULT_SUBDIR), True
+        return dirpath, False
 
     def _load(self, ckpt_path: Any) -> dict[str, Any] | None:
         """Called by Lightning's restore: the checkpoint dict to resume from, or None."""
@@ -286,15 +303,18 @@ class FaultTolerantCheckpoint(Checkpoint):
         self.resumed_from = step
         loader = from_core(state["loader"])
         self._resume = {"rng": rng_state() if self.manager.config.save_rng_state else None,
-                        "iter_rng": loader.get("iter_rng")}
+                        "epoch_start": EpochStart.from_state(loader), "world_size": loader.get("world_size")}
         return from_core(state["lightning"])
 
     def _continue_epoch(self, trainer: pl.Trainer, resume: dict[str, Any]) -> None:
         """Put the data where the interrupted epoch stopped, then the RNG where the saved step left it."""
-        self._iter_rng = resume["iter_rng"]
+        start: EpochStart | None = resume["epoch_start"]
+        self._epoch_start = start
         skip = internals.batches_done_in_epoch(trainer)
+        self._check_world_size(trainer, resume["world_size"], skip)
         if 0 < skip < trainer.num_training_batches and not internals.loaders_restore_themselves(trainer):
-            if self._iter_rng is not None and internals.replay_epoch(trainer, self._iter_rng, skip):
+            loaders = internals.train_loaders(trainer)
+            if start is not None and internals.replay_epoch(trainer, lambda: start.restore(loaders), skip):
                 self._undo_warning = internals.silence_midepoch_warning()
             elif trainer.is_global_zero:
                 log.warning("cannot put this train dataloader back at batch %d of the epoch (it has no length, or "
@@ -302,9 +322,58 @@ class FaultTolerantCheckpoint(Checkpoint):
                             "a map-style dataset, or a loader with state_dict()/load_state_dict()", skip)
         if resume["rng"] is not None:
             set_rng_state(resume["rng"])
-        if trainer.is_global_zero:
-            log.info("FaultTolerantCheckpoint: continuing at step %d (epoch %d, after batch %d)",
-                     trainer.global_step, trainer.current_epoch, skip)
+
+    @staticmethod
+    def _check_world_size(trainer: pl.Trainer, saved: int | None, skip: int) -> None:
+        """Warn when the checkpoint was saved by another number of ranks: the data position is not exact."""
+        if saved is None or saved == trainer.world_size:
+            return
+        rank_zero_warn(
+            f"FaultTolerantCheckpoint: resuming from step {trainer.global_step}, saved by {_ranks(saved)}, on "
+            f"{_ranks(trainer.world_size)}. Exact: the model, optimizer and LR scheduler states, the step and epoch "
+            f"counters, callback and datamodule state. Not exact: the data of epoch {trainer.current_epoch}: it "
+            f"continues after batch {skip} of the {trainer.num_training_batches} each rank now gets per epoch, so "
+            f"some of this epoch's samples are trained on twice and others not at all; later epochs are complete "
+            f"but split and ordered differently than on {_ranks(saved)}; rank r continues with the RNG states "
+            f"saved by rank r mod {saved}; the global batch size changes with the rank count. HINT: restart on "
+            f"{_ranks(saved)} to resume exactly")
+
+    def _announce_start(self, trainer: pl.Trainer, *, resumed: bool) -> None:
+        """Say, where Lightning's own messages go, where training resumes and when the next save is due."""
+        assert self.manager is not None
+        if resumed:
+            where = (f"resuming from step {trainer.global_step} (epoch {trainer.current_epoch}, "
+                     f"{internals.batches_done_in_epoch(trainer)} batches of it done)")
+        elif self.resumed_from is None and trainer.ckpt_path is None:
+            where = f"no checkpoint in {self.manager.storage.url} yet: starting fresh"
+        else:
+            where = f"training starts at step {trainer.global_step}"
+        rank_zero_info(f"FaultTolerantCheckpoint: {where}; {self._next_save(trainer.global_step, first=not resumed)}")
+
+    def _next_save(self, step: int, *, first: bool) -> str:
+        """When the policy saves next, in words (for the adaptive interval: as planned now)."""
+        assert self.manager is not None
+        which, metrics = "first save" if first else "next save", self.manager.metrics()
+        if "interval_steps" in metrics:
+            n = int(metrics["interval_steps"])
+            return f"{which} at step {(step // n + 1) * n} (every {n} steps)"
+        if self.manager.adaptive is not None:
+            guess = " (a guess until a save measures it)" if self.manager.adaptive.cost is None else ""
+            return (f"{which} due in about {_duration(metrics['interval_s'])} (adaptive interval, planned for a save "
+                    f"cost of {_duration(metrics['cost_s'])}{guess} and an MTBF of {_duration(metrics['mtbf_s'])}; a "
+                    f"run that ends sooner saves nothing: pass interval=<steps> or a duration such as '10m' for "
+                    f"short runs)")
+        if "interval_s" in metrics:
+            return f"{which} due in {_duration(metrics['interval_s'])} (every {_duration(metrics['interval_s'])})"
+        return f"saves when {self.manager.policy!r} says so"
+
+    def _announce_no_save(self, trainer: pl.Trainer) -> None:
+        assert self.manager is not None
+        newest = f"the newest checkpoint is still step {self.resumed_from}" if self.resumed_from is not None else \
+            f"there is no checkpoint in {self.manager.storage.url}"
+        rank_zero_info(f"FaultTolerantCheckpoint: this fit saved no checkpoint in its "
+                       f"{_duration(time.monotonic() - self._started)} ({newest}); "
+                       f"{self._next_save(trainer.global_step, first=False)}")
 
     # -- saving --------------------------------------------------------------------------------
     @staticmethod
@@ -312,16 +381,17 @@ class FaultTolerantCheckpoint(Checkpoint):
         """Whether a resume can start right after the current batch (the same answer on every rank)."""
         return not (trainer.should_stop or internals.is_last_batch(trainer) or internals.validation_follows(trainer))
 
-    def _snapshot(self, trainer: pl.Trainer, iter_rng: torch.Tensor | None,
+    def _snapshot(self, trainer: pl.Trainer, epoch_start: EpochStart | None,
                   loops: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The state to save: Lightning's checkpoint dict (translated) and the epoch iterator's RNG."""
+        """The state to save: Lightning's checkpoint dict (translated), what the epoch's data order came
+        from, and the world size."""
         checkpoint = internals.dump_checkpoint(trainer)
         if loops is not None:
             checkpoint["loops"] = loops
         if isinstance(trainer.strategy, DDPStrategy) and trainer.world_size > 1:
             checkpoint["state_dict"] = rank0_buffers(checkpoint["state_dict"], trainer.lightning_module)
-        return {"lightning": to_core(checkpoint),
-                "loader": {"iter_rng": encode_tensor(iter_rng)} if iter_rng is not None else {}}
+        loader = epoch_start.to_state() if epoch_start is not None else {}
+        return {"lightning": to_core(checkpoint), "loader": {**loader, "world_size": trainer.world_size}}
 
     def _save(self, trainer: pl.Trainer, step: int, snapshot: Callable[[], dict[str, Any]], *,
               if_due: bool = False) -> None:
@@ -403,7 +473,8 @@ class FaultTolerantCheckpoint(Checkpoint):
     def _remember_safe_point(self, trainer: pl.Trainer, step: int | None) -> None:
         self._stepped_since_safe = False
         self._safe_point = None if step is None else _SafePoint(
-            step=step, loops=copy.deepcopy(internals.loops_state(trainer)), rng=rng_state(), iter_rng=self._iter_rng)
+            step=step, loops=copy.deepcopy(internals.loops_state(trainer)), rng=rng_state(),
+            epoch_start=self._epoch_start)
 
     def _save_safe_point(self, trainer: pl.Trainer, exception: BaseException) -> None:
         safe, why = self._safe_point, type(exception).__name__
@@ -416,7 +487,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         if any(s.step == step for s in self.saves):
             return  # saved already
         set_rng_state(safe.rng)  # the manager saves the RNG as of the call
-        self._save(trainer, step, lambda: self._snapshot(trainer, safe.iter_rng, loops=safe.loops))
+        self._save(trainer, step, lambda: self._snapshot(trainer, safe.epoch_start, loops=safe.loops))
         if trainer.is_global_zero:
             log.info("save_on_exception: saving step %d after the %s", step, why)
 
@@ -432,3 +503,20 @@ class FaultTolerantCheckpoint(Checkpoint):
                         min(self.drain_timeout, AGREE_TIMEOUT), e)
             return None
         return step if len(set(steps)) == 1 else None
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
+
+
+def _duration(seconds: float) -> str:
+    """``0.25 s``, ``45 s``, ``30 min``, ``5.2 h``, ``3.1 days``."""
+    if seconds < 10:
+        return f"{seconds:.2g} s"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 3 * 86400:
+        return f"{seconds / 3600:.2g} h"
+    return f"{seconds / 86400:.2g} days" if seconds < 10 * 86400 else f"{seconds / 86400:.0f} days"

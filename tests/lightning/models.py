@@ -2,6 +2,8 @@
 
 ``training_step`` draws from the torch, Python and NumPy RNGs, so a resume that restores any of them
 wrongly changes the weights; it records which samples each batch held, so tests can compare data order.
+:class:`Data` builds its train loader the ways user code does (see :data:`LOADERS`), optionally with
+workers and with randomness in ``__getitem__`` (an augmentation).
 """
 
 from __future__ import annotations
@@ -13,22 +15,35 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, RandomSampler, WeightedRandomSampler
+
+LOADERS = ("shuffle", "generator", "sampler_generator", "weighted_generator")
+"""How :class:`Data` shuffles: ``DataLoader(shuffle=True)`` (the global torch RNG), ``DataLoader(shuffle=True,
+generator=torch.Generator().manual_seed(s))``, ``DataLoader(sampler=RandomSampler(ds, generator=...))``
+(under DDP Lightning replaces a RandomSampler with a DistributedSampler), or a custom sampler with a
+generator, ``WeightedRandomSampler(..., generator=...)`` (under DDP Lightning wraps it in a
+``DistributedSamplerWrapper``)."""
+LOADER_SEED = 1234
 
 
 class IndexedData(Dataset):
-    """``n`` fixed random samples; each item also carries its index."""
+    """``n`` fixed random samples; each item also carries its index. ``augment`` adds noise drawn from the
+    torch and NumPy RNGs in ``__getitem__`` (in a worker: the worker's RNGs, seeded from the loader)."""
 
-    def __init__(self, n: int = 96, seed: int = 0) -> None:
+    def __init__(self, n: int = 96, seed: int = 0, augment: bool = False) -> None:
         g = torch.Generator().manual_seed(seed)
         self.x = torch.randn(n, 8, generator=g)
         self.y = self.x[:, :1] * 0.5 + 0.1 * torch.randn(n, 1, generator=g)
+        self.augment = augment
 
     def __len__(self) -> int:
         return len(self.x)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        return self.x[i], self.y[i], i
+        x = self.x[i]
+        if self.augment:
+            x = x + 0.01 * torch.randn(8) + 0.01 * float(np.random.rand())
+        return x, self.y[i], i
 
 
 class Net(pl.LightningModule):
@@ -74,15 +89,30 @@ class Net(pl.LightningModule):
 
 
 class Data(pl.LightningDataModule):
-    """Shuffled train loader, fixed val loader; counts its own epochs as datamodule state."""
+    """Shuffled train loader (``loader``: one of :data:`LOADERS`), fixed val loader; counts its own epochs
+    as datamodule state."""
 
-    def __init__(self, batch_size: int = 8, num_workers: int = 0) -> None:
+    def __init__(self, batch_size: int = 8, num_workers: int = 0, loader: str = "shuffle",
+                 augment: bool = False) -> None:
         super().__init__()
-        self.batch_size, self.num_workers = batch_size, num_workers
+        assert loader in LOADERS, loader
+        self.batch_size, self.num_workers, self.loader, self.augment = batch_size, num_workers, loader, augment
         self.train_epochs = 0
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(IndexedData(96), batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
+        data = IndexedData(96, augment=self.augment)
+        kw: dict[str, Any] = dict(batch_size=self.batch_size, num_workers=self.num_workers)
+        if self.loader == "generator":
+            return DataLoader(data, shuffle=True, generator=torch.Generator().manual_seed(LOADER_SEED), **kw)
+        if self.loader == "sampler_generator":
+            return DataLoader(data, sampler=RandomSampler(data, generator=torch.Generator().manual_seed(LOADER_SEED)),
+                              **kw)
+        if self.loader == "weighted_generator":  # every sample once per epoch, heavier ones earlier
+            weights = torch.linspace(1.0, 2.0, len(data))
+            sampler = WeightedRandomSampler(weights, len(data), replacement=False,
+                                            generator=torch.Generator().manual_seed(LOADER_SEED))
+            return DataLoader(data, sampler=sampler, **kw)
+        return DataLoader(data, shuffle=True, **kw)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(IndexedData(32, seed=1), batch_size=16)

@@ -43,6 +43,46 @@ def test_private_names_exist():
         f"{HINT}: the mid-epoch resume warning changed"
 
 
+def test_private_names_for_the_epoch_start_and_enable_checkpointing_exist():
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+    from lightning.pytorch.loops.fit_loop import _FitLoop
+    from lightning.pytorch.trainer.connectors.callback_connector import _CallbackConnector
+
+    setup_data = inspect.getsource(_FitLoop.setup_data)
+    before, after = "self._load_combined_loader_states()", "iter(self._data_fetcher)"
+    assert before in setup_data and setup_data.index(before) < setup_data.index(after), f"{HINT}: _FitLoop.setup_data"
+    inner = torch.utils.data.RandomSampler(range(4))
+    wrapper = DistributedSamplerWrapper(inner, num_replicas=2, rank=0)
+    assert wrapper.dataset._sampler is inner, f"{HINT}: _DatasetSamplerWrapper._sampler"
+    configure = _CallbackConnector._configure_checkpoint_callbacks
+    source = inspect.getsource(getattr(configure, "__wrapped__", configure))
+    assert "self.trainer.checkpoint_callbacks" in source and "enable_checkpointing=False" in source, \
+        f"{HINT}: _CallbackConnector._configure_checkpoint_callbacks"
+
+
+class FirstIterator(pl.Callback):
+    """Records each call of the before_first_iterator hook: the loaders it sees, and whether an iterator exists."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, bool]] = []
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        def seen() -> None:
+            combined = trainer.fit_loop._combined_loader
+            self.calls.append((len(internals.train_loaders(trainer)), combined._iterator is not None))
+
+        internals.before_first_iterator(trainer, seen)
+
+
+@pytest.mark.parametrize("reload", [0, 1])
+def test_before_first_iterator_runs_when_loaders_are_loaded_before_their_iterator(reload):
+    probe = FirstIterator()
+    _, _, trainer, _ = fit([probe], max_epochs=2, enable_checkpointing=False, reload_dataloaders_every_n_epochs=reload)
+    assert probe.calls == [(1, False)] * (1 + reload), f"{HINT}: before_first_iterator ({probe.calls})"
+    internals.release_resume(trainer)
+    assert "_load_combined_loader_states" not in vars(trainer.fit_loop)
+
+
 class Probe(pl.Callback):
     """Checks the position helpers at every batch against what Lightning then does."""
 
@@ -111,7 +151,7 @@ class Replay(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if (trainer.current_epoch, batch_idx) == (1, 4):
             rng = torch.get_rng_state()
-            assert internals.replay_epoch(trainer, self.iterator_rng, skip=5), HINT
+            assert internals.replay_epoch(trainer, lambda: torch.set_rng_state(self.iterator_rng), skip=5), HINT
             torch.set_rng_state(rng)
 
 

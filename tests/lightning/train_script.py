@@ -10,13 +10,20 @@ as on a lost node. Run it with ``start_new_session=True``. ``--sigterm-at STEP``
 sends ``--signal`` to rank 0 inside a training step (FaultTolerantCheckpoint makes the final save). With ``--devices 2`` Lightning's DDP
 launcher starts rank 1 by running this script again (hence the ``__main__`` guard).
 
+``--kill-after-commit`` makes a ``batch_end`` kill wait for the save in flight to commit first (the
+resume step is then known). ``--loader``, ``--workers`` and ``--augment`` choose the train loader (see
+``models.Data``); ``--seed`` is the ``seed_everything`` seed.
+
 Rank 0 writes ``OUT/final.pt`` (``models.final_state``) at the end and every rank appends a line to
-``OUT/runs.jsonl`` when training starts: ``{"rank", "resumed_from", "global_step"}``.
+``OUT/runs.jsonl`` when training starts: ``{"rank", "resumed_from", "global_step"}``, and one line per
+training batch to ``OUT/batches.rank<R>.jsonl``: ``{"step", "epoch", "batch_idx", "idx", "x"}`` (``idx``:
+the samples' indices; ``x``: a hash of the input tensor, augmentation included).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -28,7 +35,7 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_ft import FaultTolerantCheckpoint  # noqa: E402
-from tests.lightning.models import Data, Net, final_state, trainer  # noqa: E402
+from tests.lightning.models import LOADERS, Data, Net, final_state, trainer  # noqa: E402
 
 
 def kill_job() -> None:
@@ -47,6 +54,14 @@ class Record(pl.Callback):
         with open(os.path.join(self.out, "runs.jsonl"), "a") as f:
             f.write(json.dumps(line) + "\n")
 
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object,
+                             batch_idx: int) -> None:
+        x, _, idx = batch
+        line = {"step": trainer.global_step, "epoch": trainer.current_epoch, "batch_idx": batch_idx,
+                "idx": idx.tolist(), "x": hashlib.sha256(x.numpy().tobytes()).hexdigest()[:16]}
+        with open(os.path.join(self.out, f"batches.rank{trainer.global_rank}.jsonl"), "a") as f:
+            f.write(json.dumps(line) + "\n")
+
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero:
             torch.save(final_state(pl_module, trainer), os.path.join(self.out, "final.pt"))
@@ -58,9 +73,16 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--interval", type=int, default=4)
+    p.add_argument("--interval", type=lambda v: int(v) if v.isdigit() else v, default=4,
+                   help="steps, '30m', 'adaptive'")
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--kill-how", choices=["batch_end", "writing"], default="batch_end")
+    p.add_argument("--kill-after-commit", action="store_true",
+                   help="before a batch_end kill, wait for the save in flight to commit")
+    p.add_argument("--loader", choices=LOADERS, default="shuffle")
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--augment", action="store_true", help="randomness in Dataset.__getitem__")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sigterm-at", type=int, default=None, help="SIGTERM the job after this step")
     p.add_argument("--signal-in-step", type=int, default=None,
                    help="rank 0 sends itself --signal inside the training step that starts at this global step")
@@ -74,8 +96,8 @@ def main() -> None:
 
     if args.user_sigterm_marker:
         signal.signal(signal.SIGTERM, lambda *_: open(args.user_sigterm_marker, "a").write("ran\n"))
-    pl.seed_everything(0, verbose=False)
-    model, data = Net(), Data()
+    pl.seed_everything(args.seed, verbose=False)
+    model, data = Net(), Data(num_workers=args.workers, loader=args.loader, augment=args.augment)
     ft = None if args.no_callback else FaultTolerantCheckpoint(
         args.dirpath, interval=args.interval, keep_last=3, storage_options=json.loads(args.storage_options),
         save_on_exception=args.save_on_exception)
@@ -86,6 +108,8 @@ def main() -> None:
     if args.kill_at is not None and args.kill_how == "batch_end":
         def kill(tr: pl.Trainer) -> None:
             if tr.global_step == args.kill_at and tr.is_global_zero:
+                if args.kill_after_commit and ft is not None:
+                    ft.manager.wait()
                 kill_job()
         model.kill = kill
     if args.sigterm_at is not None:
