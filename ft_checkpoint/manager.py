@@ -283,15 +283,25 @@ class CheckpointManager:
             self.wait()
         return stats
 
-    def _check_step_is_new(self, step: int) -> None:
+    def check_continues_from(self, step: int, *, why: str | None = None) -> None:
+        """Raise StateMismatchError now if a run at ``step`` (resumed from elsewhere, e.g. ``fit(ckpt_path=...)``)
+        would save at or below steps already committed in the directory; see :meth:`save`."""
+        self._check_step_is_new(step + 1, why=why)
+
+    def _check_step_is_new(self, step: int, *, why: str | None = None) -> None:
         """Refuse a step at or below the newest one committed in the directory: retention would delete the new
         save right after it commits (it keeps the highest steps), and a crash would resume the old steps."""
-        if self._newest_committed is not None and step <= self._newest_committed:
-            raise StateMismatchError(
-                f"cannot save step {step} in {self.storage.url}: step {self._newest_committed} is committed there "
-                "already (a run pointed at another run's directory, a restarted step counter, or a resume that fell "
-                "back past steps that did not fit the state). HINT: give this run its own dirpath, or continue the "
-                "step count from the resumed step, or remove the newer steps (ft-checkpoint gc) if they are unwanted")
+        newest = self._newest_committed
+        if newest is None or step > newest:
+            return
+        newer = self.groups.on_rank0(lambda: [s for s in layout.committed_steps(self.storage) if s >= step])
+        paths = " ".join(self.storage.url_of(layout.step_dir(s)) for s in newer[:3]) + (" ..." if len(newer) > 3 else "")
+        raise StateMismatchError(
+            f"cannot save step {step} in {self.storage.url}: step {newest} is committed there already "
+            f"({why or 'a run pointed at another run directory, a restarted step counter, or a resume that fell back past steps that did not fit the state'}). "
+            "Retention would delete the new steps right after their commit, and a crash would resume the old ones. "
+            f"HINT: give this run its own dirpath, or continue the step count from the resumed step, or, if the newer "
+            f"steps are unwanted, delete them first ({paths})")
 
     def _save_failed(self, error: SaveError) -> None:
         """A save failed: journal it, then raise (``on_save_error="raise"``, or a state that cannot be saved
@@ -402,11 +412,13 @@ class CheckpointManager:
             check=lambda step: check_for_resume(self.storage, step, rank=self.rank, world_size=self.groups.world_size),
             load=lambda opened: self._load(opened, state, per_rank, check), touches=lambda opened: opened.touches)
         if found is None:
+            self._newest_committed = self.groups.on_rank0(lambda: max(layout.committed_steps(self.storage), default=None))
             if self.rank == 0:
                 log.info("no committed checkpoint in %s: starting fresh", self.storage.url)
             self._announce_start()
             return None
         manifest, ranked = found
+        self._newest_committed = self.groups.on_rank0(lambda: max(layout.committed_steps(self.storage), default=None))
         self.resumed_rng = ranked.get("rng") if self.config.save_rng_state else None
         if restore_rng and self.resumed_rng is not None:
             set_rng_state(self.resumed_rng)

@@ -199,7 +199,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         # trainer.checkpoint_callback stays the user's ModelCheckpoint if there is one.
         trainer.callbacks = [cb for cb in trainer.callbacks if cb is not self] + [self]
         dirpath, default = self._resolve_dirpath(trainer)
-        self.manager = CheckpointManager(dirpath, policy=self.policy, **self.config)
+        self.manager = CheckpointManager(dirpath, policy=self.policy, announce=False, **self.config)
         rank_zero_info(f"FaultTolerantCheckpoint: checkpoints go to {self.manager.storage.url}"
                        + (f" (no dirpath given: <default_root_dir>/{DEFAULT_SUBDIR})" if default else ""))
         self._active = True
@@ -220,6 +220,10 @@ class FaultTolerantCheckpoint(Checkpoint):
         resume, self._resume = self._resume, None
         if resume is not None:
             self._continue_epoch(trainer, resume)
+        elif trainer.ckpt_path:
+            assert self.manager is not None
+            self.manager.check_continues_from(trainer.global_step, why=f"fit(ckpt_path={str(trainer.ckpt_path)!r}) "
+                                              f"continues from step {trainer.global_step}")
         self._announce_start(trainer, resumed=resume is not None)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

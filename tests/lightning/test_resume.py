@@ -15,7 +15,7 @@ import pytest
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-from ft_checkpoint import ConfigError, layout
+from ft_checkpoint import ConfigError, StateMismatchError, layout
 from lightning_ft import FaultTolerantCheckpoint
 from tests.lightning.models import assert_same, final_state, fit
 
@@ -77,12 +77,22 @@ def test_explicit_ckpt_path_wins(tmp_path, caplog):
     path = str(tmp_path / "mc" / "epoch=0-step=3.ckpt")
     assert os.path.exists(path), os.listdir(tmp_path / "mc")
 
-    cb, start = ft(tmp_path / "ckpt"), RecordStart()
+    cb, start = ft(tmp_path / "fresh"), RecordStart()
     with caplog.at_level(logging.INFO, logger="lightning_ft"):
         _, _, trainer, _ = fit([cb, start], ckpt_path=path, max_steps=5)
     assert start.step == 3 and cb.resumed_from is None and trainer.ckpt_path == path
     lines = [r.getMessage() for r in caplog.records if "was given" in r.getMessage()]
     assert len(lines) == 1 and path in lines[0], caplog.text
+
+
+def test_explicit_ckpt_path_behind_the_directorys_steps_stops_before_training(tmp_path):
+    """Rolling back to step 3 in a directory that holds step 8: retention would delete each new step right
+    after its commit, and a crash would resume step 8. It stops at the start, saying what to do."""
+    mc = ModelCheckpoint(dirpath=tmp_path / "mc", every_n_train_steps=3, save_top_k=-1)
+    fit([ft(tmp_path / "ckpt"), mc], crash_at=9)
+    path = str(tmp_path / "mc" / "epoch=0-step=3.ckpt")
+    with pytest.raises(StateMismatchError, match=r"continues from step 3.*step_000000000008"):
+        fit([ft(tmp_path / "ckpt")], ckpt_path=path, max_steps=5)
 
 
 def test_early_stopping_model_checkpoint_and_lr_scheduler_continue_exactly(tmp_path):
