@@ -119,7 +119,7 @@ def train(args: argparse.Namespace, acc: Accelerator, ft: FaultTolerantCheckpoin
     print(f"FTTEST rank={acc.process_index} resumed_from={ft.resumed_from} epoch={ft.epoch} "
           f"batches_done={ft.batches_done}", flush=True)
     for _ in ft.epochs(args.epochs):
-        for step, (x, y, index) in enumerate(ft.batches(loader), start=ft.batches_done):
+        for step, (x, y, index) in ft.enumerate(loader):
             if should_kill(args, acc, ft.epoch * len(loader) + ft.batches_done):
                 print(f"FTTEST rank={acc.process_index} SIGKILL at global_step={ft.global_step}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
