@@ -54,7 +54,8 @@ class FaultTolerantCheckpoint:
     """Checkpoint everything an ``Accelerator`` prepared, asynchronously, and resume exactly after a failure.
 
     Create it on every rank after ``accelerator.prepare(...)``; it resumes at once from the newest
-    verified checkpoint, if any, and says so on stderr (main process). It saves models, optimizers
+    verified checkpoint, if any. One line on stderr (main process) says where checkpoints go, what was
+    resumed and when the first save is due. It saves models, optimizers
     (through DCP's state-dict helpers, so FSDP shards stay sharded; under DDP the buffers are rank
     0's), schedulers, the grad scaler, objects passed to ``accelerator.register_for_checkpointing``,
     each rank's RNG states, the data position and its own counters.
@@ -117,7 +118,9 @@ class FaultTolerantCheckpoint:
         """The global step resumed from, or None on a fresh start."""
         if self.resumed_from is not None:
             self._rng_after_resume = rng_state()
-        self._announce()
+            if self.manager.rank == 0:
+                log.info("resumed at global step %d: epoch %d, %d of its batches done", self.global_step, self.epoch,
+                         self._batches_done)
 
     # -- the loop ------------------------------------------------------------------------------
     def epochs(self, num_epochs: int) -> Iterator[int]:
@@ -261,41 +264,6 @@ class FaultTolerantCheckpoint:
         atexit.unregister(self._close_at_exit)
         for handle in self._step_hooks:
             handle.remove()
-
-    def _announce(self) -> None:
-        """One line on stderr (main process): where checkpoints go, what was resumed, when the next save is due."""
-        if not self.accelerator.is_main_process:
-            return
-        where = self.manager.storage.url
-        if self.resumed_from is None:
-            head = f"checkpoints go to {where} (none there yet: starting fresh)"
-        else:
-            head = (f"resuming from step {self.resumed_from} in {where} "
-                    f"(epoch {self.epoch}, {self._batches_done} batches of it done); checkpoints go there")
-        print(f"ft-checkpoint: {head}; {_next_save(self.manager, self.resumed_from is None)}",
-              file=sys.stderr, flush=True)
-
-
-def _next_save(manager: CheckpointManager, fresh: bool) -> str:
-    """When the policy saves next, in words."""
-    first = "first save" if fresh else "next save"
-    interval = manager.metrics()
-    if manager.adaptive is not None:
-        return (f"{first} in about {_duration(interval['interval_s'])} (adaptive interval: a shorter run "
-                f"saves only if preempted; interval=N saves every N optimizer steps)")
-    if "interval_steps" in interval:
-        return f"a save every {interval['interval_steps']:.0f} optimizer steps"
-    if "interval_s" in interval:
-        return f"a save every {_duration(interval['interval_s'])}"
-    return f"saves when {manager.policy!r} says so"
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 def _close_at_exit(ref: weakref.ref[FaultTolerantCheckpoint]) -> None:

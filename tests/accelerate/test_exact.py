@@ -114,11 +114,11 @@ def test_quickstart_without_close_ends_cleanly(tmp_path):
     assert not Storage(ckpt).exists(LEASE)
     assert count_failures(attempt_summaries(Storage(ckpt)))[0] == 0
 
-    first, second = (a.stderr.splitlines() for a in attempts)  # printed on stderr whatever the logging setup
-    assert f"ft-checkpoint: checkpoints go to {ckpt} (none there yet: starting fresh); a save every 5 " \
-           "optimizer steps" in first
-    assert f"ft-checkpoint: resuming from step 20 in {ckpt} (epoch 0, 20 batches of it done); checkpoints go " \
-           "there; a save every 5 optimizer steps" in second
+    first, second = (a.stderr for a in attempts)  # printed on stderr whatever the logging setup, once
+    assert first.count("ft-checkpoint: ") == 1 and f"ft-checkpoint: checkpoints go to {ckpt}, a save every 5 steps\n" \
+        in first, first
+    assert second.count("ft-checkpoint: ") == 1 and f"ft-checkpoint: resuming from step 20 of {ckpt}, a save every " \
+        "5 steps (" in second, second
 
 
 def test_quickstart_ending_in_an_exception_is_no_clean_end(tmp_path):
