@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import atexit
 import difflib
-import functools
 import logging
 import sys
-import weakref
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -112,7 +110,6 @@ class FaultTolerantCheckpoint:
         self._step_hooks = [opt.register_step_post_hook(self._optimizer_stepped)
                             for opt in internals.optimizers(accelerator) if hasattr(opt, "register_step_post_hook")]
         self._closed = False
-        self._close_at_exit = functools.partial(_close_at_exit, weakref.ref(self))
         atexit.register(self._close_at_exit)
         self.resumed_from: int | None = self.manager.resume(self.state)
         """The global step resumed from, or None on a fresh start."""
@@ -256,6 +253,19 @@ class FaultTolerantCheckpoint:
         if values and self.accelerator.trackers:
             self.accelerator.log(values, step=self.global_step)
 
+    def _close_at_exit(self) -> None:
+        """At interpreter exit, if the program did not close it: a clean end unless an uncaught exception is
+        ending the program (the interpreter sets ``sys.last_value`` when it prints one)."""
+        if self._closed:
+            return
+        crashed = getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None
+        log.debug("closing at interpreter exit (%s)", "after an uncaught exception" if crashed else "a clean end")
+        self._release()
+        try:
+            self.manager.close(clean=not crashed)
+        except Exception:  # nothing can be raised to anyone at exit
+            log.exception("closing the checkpoint at interpreter exit failed")
+
     def _release(self) -> None:
         """What only this hook holds: the optimizer hooks and the exit handler."""
         if self._closed:
@@ -264,21 +274,6 @@ class FaultTolerantCheckpoint:
         atexit.unregister(self._close_at_exit)
         for handle in self._step_hooks:
             handle.remove()
-
-
-def _close_at_exit(ref: weakref.ref[FaultTolerantCheckpoint]) -> None:
-    """At interpreter exit, close a hook the program did not close: a clean end unless an uncaught exception
-    is ending the program (the interpreter sets ``sys.last_value`` when it prints one)."""
-    hook = ref()
-    if hook is None or hook._closed:
-        return
-    crashed = getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None
-    log.debug("closing at interpreter exit (%s)", "after an uncaught exception" if crashed else "a clean end")
-    hook._release()
-    try:
-        hook.manager.close(clean=not crashed)
-    except Exception:  # nothing can be raised to anyone at exit
-        log.exception("closing the checkpoint at interpreter exit failed")
 
 
 class _Progress:
