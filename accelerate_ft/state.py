@@ -3,7 +3,10 @@
 Models and their optimizers go through ``torch.distributed.checkpoint.state_dict``
 (``get_state_dict``/``set_state_dict``): keys are canonical parameter names (no DDP ``module.``
 prefix, optimizer state keyed by name rather than by id), and under FSDP each rank holds only its own
-shard (DTensors), so DCP writes every shard once, from its owner, and reshards on load. Schedulers,
+shard (DTensors), so DCP writes every shard once, from its owner, and reshards on load. Under DDP the
+buffers (BatchNorm's running statistics) are rank 0's on every rank: DCP writes a replicated tensor
+from whichever rank its planner picks, and each rank's differ until DDP's next forward pass
+broadcasts rank 0's, which the training continues with. Schedulers,
 the grad scaler and objects passed to ``accelerator.register_for_checkpointing`` use their own
 ``state_dict``.
 
@@ -22,10 +25,12 @@ Example:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -34,6 +39,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ft_checkpoint import ConfigError
+
+from accelerate_ft import _accelerate_internals as internals
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -48,17 +55,25 @@ class ModelState:
     Args:
         model: The prepared model (DDP-wrapped, FSDP-wrapped or plain).
         optimizers: The raw torch optimizers whose parameters all belong to ``model``.
+        buffers_from_rank0: Save rank 0's buffers on every rank (DDP; a collective at each save and resume).
     """
 
-    def __init__(self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
+    def __init__(self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer] = (), *,
+                 buffers_from_rank0: bool = False) -> None:
         self.model = model
         self.optimizers = list(optimizers)
+        self.buffers_from_rank0 = buffers_from_rank0
 
     def state_dict(self) -> dict[str, Any]:
         if not self.optimizers:
-            return {"model": get_model_state_dict(self.model)}
+            return {"model": self._rank0_buffers(get_model_state_dict(self.model))}
         model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
-        return {"model": model_sd, "optimizers": optim_sd}
+        return {"model": self._rank0_buffers(model_sd), "optimizers": optim_sd}
+
+    def _rank0_buffers(self, model_sd: dict[str, Any]) -> dict[str, Any]:
+        if not self.buffers_from_rank0:
+            return model_sd
+        return rank0_buffers(model_sd, getattr(self.model, "module", self.model))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not self.optimizers:
@@ -108,6 +123,22 @@ class _Scaler:
             self.scaler.load_state_dict(state)
 
 
+def rank0_buffers(state_dict: Mapping[str, Any], module: torch.nn.Module) -> dict[str, Any]:
+    """``state_dict`` with its buffers replaced by copies of rank 0's (a collective: call on every rank).
+
+    Under DDP the parameters are identical on every rank, buffers are not until the next forward pass
+    broadcasts rank 0's. The checkpoint must hold rank 0's, which the training continues with.
+    """
+    names = {name for name, _ in module.named_buffers()}
+    out = dict(state_dict)
+    for key, value in state_dict.items():
+        if key in names and isinstance(value, torch.Tensor):
+            copy = value.detach().clone()
+            dist.broadcast(copy, src=0)
+            out[key] = copy
+    return out
+
+
 def pair_optimizers(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer]
                     ) -> tuple[list[list[torch.optim.Optimizer]], list[torch.optim.Optimizer]]:
     """Each model's optimizers (those whose parameters all belong to it), and the optimizers that span models.
@@ -148,19 +179,37 @@ def accelerator_state(accelerator: Accelerator) -> dict[str, Any]:
     if kind in _UNSUPPORTED:
         raise ConfigError(f"FaultTolerantCheckpoint does not support {kind} (it checkpoints through its own engine). "
                           "HINT: use DDP, FSDP or a single process, or that engine's own checkpointing")
-    models = list(accelerator._models)
-    optimizers = [getattr(o, "optimizer", o) for o in accelerator._optimizers]
-    if not models and not optimizers and not accelerator._custom_objects:
+    models, optimizers = internals.models(accelerator), internals.optimizers(accelerator)
+    registered = internals.registered(accelerator)
+    if not models and not optimizers and not registered:
         raise ConfigError("the accelerator has prepared nothing to checkpoint. HINT: create FaultTolerantCheckpoint "
                           "after `model, optimizer, ... = accelerator.prepare(...)`")
     paired, unpaired = pair_optimizers(models, optimizers)
     if unpaired:
         log.warning("%d optimizer(s) cover parameters of several (or no) prepared models; they are saved with their "
                     "own state_dict, which works for DDP but cannot be resharded (FSDP)", len(unpaired))
-    state: dict[str, Any] = {("model" if i == 0 else f"model_{i}"): ModelState(m, opts)
-                             for i, (m, opts) in enumerate(zip(models, paired))}
+    ddp = _replicated_by_ddp(accelerator)
+    state: dict[str, Any] = {
+        ("model" if i == 0 else f"model_{i}"): ModelState(m, opts, buffers_from_rank0=ddp and not _sharded(m))
+        for i, (m, opts) in enumerate(zip(models, paired))}
     state["unpaired_optimizers"] = StatefulList("unpaired optimizer", unpaired)
-    state["schedulers"] = StatefulList("scheduler", accelerator._schedulers)
+    state["schedulers"] = StatefulList("scheduler", internals.schedulers(accelerator))
     state["scaler"] = _Scaler(accelerator.scaler)
-    state["custom"] = StatefulList("object registered for checkpointing", accelerator._custom_objects)
+    state["custom"] = StatefulList("object registered for checkpointing", registered)
     return state
+
+
+def _replicated_by_ddp(accelerator: Accelerator) -> bool:
+    """Whether ``prepare`` wrapped models in DDP (several processes, not FSDP); warns if it leaves buffers per rank."""
+    kind = getattr(accelerator.distributed_type, "name", str(accelerator.distributed_type))
+    ddp = accelerator.num_processes > 1 and kind.startswith("MULTI_")
+    handler = getattr(accelerator, "ddp_handler", None)
+    if ddp and handler is not None and not handler.broadcast_buffers:
+        log.warning("DistributedDataParallelKwargs(broadcast_buffers=False): each rank keeps its own buffers (e.g. "
+                    "BatchNorm statistics), but a checkpoint holds one copy, rank 0's; after a resume every rank "
+                    "starts from rank 0's")
+    return ddp
+
+
+def _sharded(model: torch.nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in model.parameters())

@@ -84,7 +84,8 @@ def final(out: str, rank: int = 0) -> dict[str, Any]:
 
 
 def assert_bit_identical(got: dict[str, Any], want: dict[str, Any]) -> None:
-    """Same weights, optimizer state, learning rate and next random numbers, bit for bit."""
+    """Same weights and buffers, optimizer state, learning rate, next random numbers, and the same batches
+    (sample indices and inputs, random augmentation included) after the resume, bit for bit."""
     assert got["global_step"] == want["global_step"]
     assert want["model"] and set(got["model"]) == set(want["model"])
     for name, tensor in want["model"].items():
@@ -96,6 +97,8 @@ def assert_bit_identical(got: dict[str, Any], want: dict[str, Any]) -> None:
     assert torch.equal(got["probe"], want["probe"]), "RNG state at the end differs"
     n = len(got["seen"])
     assert got["seen"] == want["seen"][len(want["seen"]) - n:], "the resumed run saw other samples or another order"
+    for i, (x, expected) in enumerate(zip(got["inputs"], want["inputs"][len(want["inputs"]) - n:])):
+        assert torch.equal(x, expected), f"batch {i} after the resume differs (its random augmentation)"
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -16,7 +17,7 @@ from accelerate.state import AcceleratorState, GradientState
 from accelerate.tracking import GeneralTracker
 
 from accelerate_ft import FaultTolerantCheckpoint, FaultTolerantCheckpointPlugin
-from ft_checkpoint import CheckpointConfig, ConfigError
+from ft_checkpoint import CheckpointConfig, ConfigError, layout
 from ft_checkpoint.policy import AdaptiveInterval
 
 EXAMPLE_YAML = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "accelerate_ft.yaml")
@@ -172,3 +173,49 @@ def test_defaults_to_the_adaptive_interval_and_logs_its_decisions(make_accelerat
     decisions = [v for _, v in tracker.logged if "ft_checkpoint/mtbf_s" in v]
     assert len(decisions) >= 2 and all(v["ft_checkpoint/interval_s"] > 0 for v in decisions)
     assert decisions[-1]["ft_checkpoint/cost_s"] < 60  # measured, no longer the guess
+
+
+def test_says_on_stderr_where_checkpoints_go_and_when_the_first_save_is_due(make_accelerator, clean_env, capsys,
+                                                                             tmp_path):
+    """A line on stderr whatever the logging setup: a short job under the default (adaptive) interval learns
+    that it may never save."""
+    acc = make_accelerator()
+    prepared(acc)
+    FaultTolerantCheckpoint(acc, str(tmp_path / "ckpt")).close()
+    err = capsys.readouterr().err
+    assert re.search(r"^ft-checkpoint: checkpoints go to \S+ckpt, adaptive interval: the first save comes about "
+                     r"[\d.]+ min in .*a shorter run saves only on a preemption notice", err, re.M), err
+
+
+def test_manual_accumulation_saves_only_after_optimizer_steps(make_accelerator, clean_env):
+    """No ``accelerator.accumulate`` (so ``sync_gradients`` is always True): a global step is a batch whose
+    optimizer step ran, and only such a batch may be followed by a save; ``enumerate`` gives the index."""
+    acc = make_accelerator()
+    model, opt, loader = prepared(acc, batches=8)
+    steps_before = []
+    with FaultTolerantCheckpoint(acc, f"memory://accelerate-manual-{uuid.uuid4().hex}", interval=1,
+                                 async_save=False) as ft:
+        for _ in ft.epochs(1):
+            for step, x in ft.enumerate(loader):
+                steps_before.append(ft.global_step)
+                acc.backward(model(x).sum() / 4)
+                if step % 4 == 0:
+                    opt.step()
+                    opt.zero_grad()
+    assert steps_before == [0, 1, 1, 1, 1, 2, 2, 2] and ft.global_step == 2
+    manifests = [json.loads(ft.manager.storage.read_bytes(f"{layout.step_dir(s)}/{layout.MANIFEST}")) for s in (1, 2)]
+    assert [m["metadata"]["batches_done"] for m in manifests] == [1, 5]
+
+
+def test_persistent_workers_resumed_after_the_first_epoch_warn(make_accelerator, caplog):
+    """Their random state carries over from earlier epochs: a resume cannot restore it, and says so."""
+    from accelerate_ft.data import EpochReader
+
+    acc = make_accelerator()
+    loader = acc.prepare(torch.utils.data.DataLoader(torch.arange(8.0), batch_size=2, num_workers=1,
+                                                     persistent_workers=True))
+    with caplog.at_level(logging.INFO, logger="accelerate_ft"):
+        batches = [(i, b.tolist()) for i, b in EpochReader(loader, skip=2, epoch=1)]
+    assert batches == [(2, [4.0, 5.0]), (3, [6.0, 7.0])]
+    assert "persistent_workers=True" in caplog.text and "HINT: persistent_workers=False" in caplog.text
+    assert re.search(r"its 2 consumed batches were loaded again in the loader's 1 workers", caplog.text)

@@ -4,12 +4,16 @@
     accelerate launch --multi_gpu --num_processes 2 ... train_script.py OUT --kill-at N --kill-rank 1 --kill-first-attempt
 
 Trains a small MLP with dropout (so the RNG matters), AdamW, a StepLR schedule and a shuffled
-DataLoader whose samples carry their index. ``--kill-at N`` SIGKILLs the process at the top of the
+DataLoader whose samples carry their index. Options add the patterns of real scripts: random
+augmentation inside ``Dataset.__getitem__`` (``--augment``, with ``--workers N``), BatchNorm
+(``--batchnorm``), manual gradient accumulation without ``accelerator.accumulate`` (``--manual-accum N``,
+as in Accelerate's ``complete_nlp_example.py``), and the README quickstart without ``with`` or
+``close()`` (``--no-close``). ``--kill-at N`` SIGKILLs the process at the top of the
 loop body of micro-batch N (counted over all epochs), so a save may be in flight; ``--signal-at N``
 sends ``--signal`` (a preemption notice) there instead. Without ``--dirpath``
 the checkpoint settings come only from ``FT_CHECKPOINT_*`` env vars. At the end each rank writes
 ``OUT/final_rank<R>.pt``: final weights, optimizer state, learning rate, the next random numbers, and
-the sample indices this attempt trained on. Lines starting with ``FTTEST`` report what happened.
+the sample indices and inputs this attempt trained on. Lines starting with ``FTTEST`` report what happened.
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ import argparse
 import json
 import logging
 import os
+import random
 import signal
 import sys
 
+import numpy as np
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import set_seed
@@ -31,11 +37,16 @@ from accelerate_ft import FaultTolerantCheckpoint  # noqa: E402
 
 
 class IndexedData(torch.utils.data.Dataset):
-    """``(x, y, index)`` samples that count how often they are loaded."""
+    """``(x, y, index)`` samples that count how often they are loaded (in this process).
 
-    def __init__(self, n: int) -> None:
+    With ``augment``, ``__getitem__`` draws random numbers like a random crop or masking does, from
+    torch's, Python's and NumPy's global RNGs (in the main process, or in a worker).
+    """
+
+    def __init__(self, n: int, augment: bool = False) -> None:
         g = torch.Generator().manual_seed(1234)
         self.x, self.y = torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g)
+        self.augment = augment
         self.loaded = 0
 
     def __len__(self) -> int:
@@ -43,7 +54,10 @@ class IndexedData(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int):
         self.loaded += 1
-        return self.x[i], self.y[i], i
+        x = self.x[i]
+        if self.augment:
+            x = x * (torch.rand(8) > 0.2) + random.gauss(0, 0.1) + float(np.random.uniform(-0.1, 0.1))
+        return x, self.y[i], i
 
 
 def parse() -> argparse.Namespace:
@@ -63,17 +77,25 @@ def parse() -> argparse.Namespace:
     p.add_argument("--fsdp2", action="store_true", help="shard the model with fully_shard (FSDP2) on CPU")
     p.add_argument("--seedable", action="store_true", help="Accelerate's seedable sampler (seed + epoch)")
     p.add_argument("--loader-generator", action="store_true", help="DataLoader(generator=...) owns the shuffle")
+    p.add_argument("--augment", action="store_true", help="random augmentation inside Dataset.__getitem__")
+    p.add_argument("--workers", type=int, default=0, help="DataLoader(num_workers=...)")
+    p.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d layer (buffers that differ per rank)")
+    p.add_argument("--manual-accum", type=int, help="step every N batches by hand, without accelerator.accumulate")
+    p.add_argument("--no-close", action="store_true", help="the README quickstart: no `with`, no close()")
+    p.add_argument("--fail-at-end", action="store_true", help="raise an exception after training (no close)")
     return p.parse_args()
 
 
-def build_model(acc: Accelerator, fsdp2: bool) -> torch.nn.Module:
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 1))
+def build_model(acc: Accelerator, fsdp2: bool, batchnorm: bool = False) -> torch.nn.Module:
+    layers = [torch.nn.Linear(8, 32), *([torch.nn.BatchNorm1d(32)] if batchnorm else []), torch.nn.ReLU(),
+              torch.nn.Dropout(0.2), torch.nn.Linear(32, 1)]
+    model = torch.nn.Sequential(*layers)
     if fsdp2:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (acc.num_processes,))
-        for layer in (model[0], model[3]):
+        for layer in [m for m in model if isinstance(m, torch.nn.Linear)]:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     return model
@@ -91,6 +113,37 @@ def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict
     return get_state_dict(model, [opt.optimizer], options=StateDictOptions(full_state_dict=True))
 
 
+def train(args: argparse.Namespace, acc: Accelerator, ft: FaultTolerantCheckpoint, model, opt, sched, loader,
+          record: dict) -> None:
+    """The training loop: ``accelerator.accumulate`` (``--ga``), or manual accumulation (``--manual-accum``)."""
+    print(f"FTTEST rank={acc.process_index} resumed_from={ft.resumed_from} epoch={ft.epoch} "
+          f"batches_done={ft.batches_done}", flush=True)
+    for _ in ft.epochs(args.epochs):
+        for step, (x, y, index) in ft.enumerate(loader):
+            if should_kill(args, acc, ft.epoch * len(loader) + ft.batches_done):
+                print(f"FTTEST rank={acc.process_index} SIGKILL at global_step={ft.global_step}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            if args.signal_at == ft.epoch * len(loader) + ft.batches_done:
+                os.kill(os.getpid(), signal.Signals[args.signal])  # a preemption notice
+            record["seen"].append(index.tolist())
+            record["inputs"].append(x.clone())
+            record["ran"] += 1
+            if args.manual_accum:  # complete_nlp_example.py: no accelerator.accumulate
+                loss = torch.nn.functional.mse_loss(model(x), y) / args.manual_accum
+                acc.backward(loss)
+                if step % args.manual_accum == 0:
+                    opt.step()
+                    sched.step()
+                    opt.zero_grad()
+                continue
+            with acc.accumulate(model):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                acc.backward(loss)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+
+
 def main() -> None:
     args = parse()
     if args.user_sigterm_marker:
@@ -99,12 +152,13 @@ def main() -> None:
     set_seed(0)
     data_config = DataLoaderConfiguration(use_seedable_sampler=True) if args.seedable else None
     acc = Accelerator(cpu=True, gradient_accumulation_steps=args.ga, dataloader_config=data_config)
-    data = IndexedData(args.samples)
-    model = build_model(acc, args.fsdp2)
+    data = IndexedData(args.samples, augment=args.augment)
+    model = build_model(acc, args.fsdp2, args.batchnorm)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
     generator = torch.Generator().manual_seed(5) if args.loader_generator else None
-    loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True, generator=generator)
+    loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True, generator=generator,
+                                         num_workers=args.workers)
     if args.fsdp2:  # Accelerate has no FSDP on CPU and would wrap the sharded model in DDP: register it as is
         opt, sched, loader = acc.prepare(opt, sched, loader)
         acc._models.append(model)
@@ -112,32 +166,22 @@ def main() -> None:
         model, opt, sched, loader = acc.prepare(model, opt, sched, loader)
     config = {"interval": args.interval} if args.interval else {}
 
-    seen, ran = [], 0
-    with FaultTolerantCheckpoint(acc, args.dirpath, **config) as ft:
-        print(f"FTTEST rank={acc.process_index} resumed_from={ft.resumed_from} epoch={ft.epoch} "
-              f"batches_done={ft.batches_done}", flush=True)
-        for _ in ft.epochs(args.epochs):
-            for x, y, index in ft.batches(loader):
-                if should_kill(args, acc, ft.epoch * len(loader) + ft.batches_done):
-                    print(f"FTTEST rank={acc.process_index} SIGKILL at global_step={ft.global_step}", flush=True)
-                    os.kill(os.getpid(), signal.SIGKILL)
-                if args.signal_at == ft.epoch * len(loader) + ft.batches_done:
-                    os.kill(os.getpid(), signal.Signals[args.signal])  # a preemption notice
-                seen.append(index.tolist())
-                ran += 1
-                with acc.accumulate(model):
-                    loss = torch.nn.functional.mse_loss(model(x), y)
-                    acc.backward(loss)
-                    opt.step()
-                    sched.step()
-                    opt.zero_grad()
+    record = {"seen": [], "inputs": [], "ran": 0}
+    ft = FaultTolerantCheckpoint(acc, args.dirpath, **config)
+    if args.no_close:  # the README's quickstart: no `with`, no close()
+        train(args, acc, ft, model, opt, sched, loader, record)
+    else:
+        with ft:
+            train(args, acc, ft, model, opt, sched, loader, record)
     model_sd, optim_sd = full_state(model, opt)
     result = {"model": model_sd, "optim": optim_sd, "lr": sched.get_last_lr(), "probe": torch.rand(4),
-              "seen": seen, "global_step": ft.global_step}
+              "seen": record["seen"], "inputs": record["inputs"], "global_step": ft.global_step}
     torch.save(result, os.path.join(args.out, f"final_rank{acc.process_index}.pt"))
-    print("FTTEST " + json.dumps({"rank": acc.process_index, "ran": ran, "loaded": data.loaded,
+    print("FTTEST " + json.dumps({"rank": acc.process_index, "ran": record["ran"], "loaded": data.loaded,
                                   "global_step": ft.global_step}), flush=True)
     acc.wait_for_everyone()
+    if args.fail_at_end:
+        raise RuntimeError("the script failed after training")
     acc.end_training()
 
 

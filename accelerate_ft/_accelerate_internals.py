@@ -1,0 +1,120 @@
+"""Every use of Accelerate's private API in accelerate_ft, in one place.
+
+Accelerate offers no public way to do two things the hook needs:
+
+1. list what an ``Accelerator`` prepared or registered (``_models``, ``_optimizers``, ``_schedulers``,
+   ``_custom_objects``);
+2. build a loader that behaves like a prepared one (device placement, one batch fetched ahead to know
+   the last one, the shared shuffle generator, gradient-accumulation sync at the end) but takes its
+   batches of indices from another batch sampler: what ``skip_first_batches`` does inside, through
+   ``DataLoaderShard``'s constructor and its ``device``, ``rng_types``, ``synchronized_generator``,
+   ``iteration``, ``_drop_last``, ``_non_blocking`` and ``use_stateful_dataloader`` attributes.
+
+Each use is a small function here. ``tests/accelerate/test_accelerate_internals.py`` exercises every
+one against the installed Accelerate and fails, naming this module, when a release changes one.
+
+Example:
+    >>> import torch
+    >>> loader = torch.utils.data.DataLoader(range(6), batch_size=2)
+    >>> [b.tolist() for b in rebuild(loader, [[5, 4], [1]])]
+    [[5, 4], [1]]
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+# DataLoader arguments that are not about which indices go into a batch: copied from the loader (each is
+# stored under its own name). The batch sampler replaces batch_size, shuffle, sampler and drop_last.
+_INDEX_ARGS = {"self", "dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"}
+_LOADER_ARGS = [name for name in inspect.signature(DataLoader.__init__).parameters if name not in _INDEX_ARGS]
+
+
+# -- what the accelerator prepared -----------------------------------------------------------------
+def models(accelerator: Accelerator) -> list[torch.nn.Module]:
+    """The models ``accelerator.prepare`` returned (wrapped: DDP, FSDP), in order."""
+    return list(accelerator._models)
+
+
+def optimizers(accelerator: Accelerator) -> list[torch.optim.Optimizer]:
+    """The raw torch optimizers inside the prepared ``AcceleratedOptimizer``\\ s, in order."""
+    return [getattr(o, "optimizer", o) for o in accelerator._optimizers]
+
+
+def schedulers(accelerator: Accelerator) -> list[Any]:
+    """The prepared learning-rate schedulers (Accelerate's wrappers, which have ``state_dict``)."""
+    return list(accelerator._schedulers)
+
+
+def registered(accelerator: Accelerator) -> list[Any]:
+    """The objects passed to ``accelerator.register_for_checkpointing``."""
+    return list(accelerator._custom_objects)
+
+
+# -- loaders ---------------------------------------------------------------------------------------
+def _shard_class() -> type | None:
+    try:
+        from accelerate.data_loader import DataLoaderShard
+    except ImportError:
+        return None
+    return DataLoaderShard
+
+
+def base_loader(loader: Any) -> DataLoader | None:
+    """The plain torch ``DataLoader`` that reads ``loader``'s map-style dataset by batches of indices, or None.
+
+    That is ``loader`` itself, or the one inside a loader prepared by ``accelerator.prepare`` on a
+    single node (``DataLoaderShard``). None for anything else: an iterable dataset, a dispatching
+    loader (``dispatch_batches``), torchdata's ``StatefulDataLoader``, a ``BatchSampler`` passed as
+    ``sampler``.
+    """
+    shard = _shard_class()
+    if shard is not None and type(loader) is shard:
+        if getattr(loader, "use_stateful_dataloader", False):
+            return None
+        loader = loader.base_dataloader
+    if type(loader) is not DataLoader or isinstance(loader.dataset, IterableDataset):
+        return None
+    if loader.batch_sampler is None or isinstance(loader.sampler, BatchSampler):
+        return None
+    return loader
+
+
+def rebuild(loader: Any, batch_sampler: Any, *, in_main_process: bool = False) -> Any:
+    """A loader like ``loader`` that takes its batches of indices from ``batch_sampler``; None if unsupported.
+
+    A prepared loader gives a prepared one (same device placement, RNG synchronization and shuffle
+    generator; it fetches one batch ahead like the original); a plain ``DataLoader`` a plain one.
+    ``in_main_process`` builds it with ``num_workers=0``. The samplers are shared, not copied.
+    """
+    base = base_loader(loader)
+    if base is None:
+        return None
+    kwargs = {name: getattr(base, name) for name in _LOADER_ARGS if hasattr(base, name)}
+    if in_main_process:
+        kwargs.update(num_workers=0, prefetch_factor=None, persistent_workers=False, timeout=0,
+                      multiprocessing_context=None)
+    if base is loader:
+        return DataLoader(base.dataset, batch_sampler=batch_sampler, **kwargs)
+    shard = _shard_class()
+    rebuilt = shard(base.dataset, device=loader.device, rng_types=loader.rng_types,
+                    synchronized_generator=loader.synchronized_generator, _drop_last=loader._drop_last,
+                    _non_blocking=loader._non_blocking, batch_sampler=batch_sampler, **kwargs)
+    rebuilt.iteration = loader.iteration
+    return rebuilt
+
+
+def synchronize_shuffle(loader: Any) -> None:
+    """What a prepared loader does first at each epoch: give every rank rank 0's shuffle (and other) RNG states."""
+    rng_types = getattr(loader, "rng_types", None)
+    if rng_types is not None:
+        from accelerate.utils import synchronize_rng_states
+
+        synchronize_rng_states(rng_types, getattr(loader, "synchronized_generator", None))
