@@ -1,0 +1,140 @@
+"""Staging: copy a state's tensors out of the training's way, into host buffers allocated once and reused.
+
+The copy is all a save blocks for. Every tensor gets a slot in one arena of host memory, laid out at
+the first save and reused by every later save while the tensors keep their shapes and dtypes (a new
+layout allocates a new arena). For CUDA tensors the arena is pinned and the copies are non-blocking,
+with one synchronization at the end. With ``shared=True`` the arena is an anonymous shared-memory
+file (``memfd``), so a writer process can map it and write the bytes without another copy (see
+``writer_process``). A DTensor's local shard is staged and wrapped back into a DTensor with the same
+mesh and placements, so DCP plans its chunks as usual.
+
+Example:
+    >>> import torch
+    >>> s = Stager()
+    >>> staged = s.stage({"w": torch.arange(3.0), "n": torch.tensor(7)})
+    >>> staged["w"], staged["n"]
+    (tensor([0., 1., 2.]), tensor(7))
+    >>> again = s.stage({"w": torch.ones(3), "n": torch.tensor(8)})   # the same buffers, reused
+    >>> again["w"].data_ptr() == staged["w"].data_ptr()
+    True
+    >>> s.close()
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+ALIGN = 64
+"""Byte alignment of every tensor in the arena (cache lines; any dtype's alignment)."""
+
+
+class Arena:
+    """One block of host memory holding every staged tensor, at fixed offsets."""
+
+    def __init__(self, nbytes: int, *, shared: bool, pin: bool) -> None:
+        self.nbytes = max(nbytes, ALIGN)
+        self.fd: int | None = None
+        self._mmap: mmap.mmap | None = None
+        if shared:
+            self.fd = os.memfd_create("ft-checkpoint-staging", os.MFD_CLOEXEC)
+            os.ftruncate(self.fd, self.nbytes)
+            self._mmap = mmap.mmap(self.fd, self.nbytes)
+            self.bytes = torch.frombuffer(self._mmap, dtype=torch.uint8)
+            if pin:
+                _register_pinned(self.bytes)
+        else:
+            self.bytes = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin)
+
+    @property
+    def base(self) -> int:
+        """The address of the arena's first byte (to find a staged tensor's offset)."""
+        return self.bytes.data_ptr()
+
+    def view(self, offset: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        n = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        return self.bytes[offset:offset + n].view(dtype).view(shape)
+
+    def close(self) -> None:
+        del self.bytes
+        if self._mmap is not None:
+            self._mmap.close()
+        if self.fd is not None:
+            os.close(self.fd)
+
+
+def _register_pinned(t: torch.Tensor) -> None:
+    """Page-lock memory torch did not allocate (a shared arena), so device-to-host copies can be asynchronous."""
+    torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+class Stager:
+    """Stages flat dicts of tensors into a reused :class:`Arena`.
+
+    Args:
+        shared: Put the arena in shared memory (for a writer process).
+        pin: Page-lock the arena (default: whether CUDA is available); needed for asynchronous copies.
+    """
+
+    def __init__(self, *, shared: bool = False, pin: bool | None = None) -> None:
+        self.shared = shared
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self.arena: Arena | None = None
+        self._layout: list[tuple[str, torch.Size, torch.dtype]] = []
+        self._offsets: dict[str, int] = {}
+
+    def stage(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copies of ``tensors`` (a flat dict) in the arena; blocks until every copy is done."""
+        layout = [(k, _local(t).shape, t.dtype) for k, t in tensors.items()]
+        if layout != self._layout:
+            self._allocate(layout)
+        assert self.arena is not None
+        out, devices = {}, set()
+        for key, t in tensors.items():
+            local = _local(t).detach()
+            buf = self.arena.view(self._offsets[key], local.shape, local.dtype)
+            buf.copy_(local, non_blocking=local.is_cuda and self.pin)
+            if local.is_cuda:
+                devices.add(local.device)
+            out[key] = _rewrap(t, buf) if _is_dtensor(t) else buf
+        for device in devices:
+            torch.cuda.synchronize(device)
+        return out
+
+    def _allocate(self, layout: list[tuple[str, torch.Size, torch.dtype]]) -> None:
+        self.close()
+        offset, offsets = 0, {}
+        for key, shape, dtype in layout:
+            offsets[key] = offset
+            n = shape.numel() * torch.empty((), dtype=dtype).element_size()
+            offset += -(-n // ALIGN) * ALIGN
+        self.arena = Arena(offset, shared=self.shared, pin=self.pin)
+        self._layout, self._offsets = layout, offsets
+
+    def close(self) -> None:
+        """Release the arena."""
+        if self.arena is not None:
+            self.arena.close()
+        self.arena, self._layout, self._offsets = None, [], {}
+
+
+def _rewrap(t: Any, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (a host copy of ``t``'s shard) as a DTensor with ``t``'s spec: mesh, placements, global shape.
+
+    Not ``DTensor.from_local``, which moves the local tensor back to the mesh's device (a GPU).
+    """
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, t._spec, requires_grad=False)
