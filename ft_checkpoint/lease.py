@@ -33,6 +33,9 @@ check is made depends on the store:
   2026.10 passes no precondition but ``ifGenerationMatch=0`` on writes, and the GCS emulator the tests
   run against ignores preconditions altogether, so that path could not be tested.)
 
+:meth:`Lease.release` removes ``lease.json`` only if it still names this attempt (read, compare, delete
+on every store), and never after the lease was lost.
+
 **Garbage.** A ``lease.json`` that is not a JSON object, has fields of the wrong type, a heartbeat that
 is not a finite number or lies more than ``timeout`` in the future, is never a crash: a warning names
 the file and what is wrong. Such a lease blocks like a live owner's while the file is recent (modified

@@ -123,15 +123,15 @@ def wait_for_a_heartbeat(storage: Storage) -> None:
     wait_until(lambda: holder_of(storage)["heartbeat"] != first, "a heartbeat")
 
 
-def test_old_owner_never_overwrites_the_lease_of_the_job_that_took_it_over(backend):
-    storage = Storage(backend.url, backend.storage_options)
-    storage.ensure_root()
-    old = Lease(storage, attempt="old", refresh=1.0)
+def test_old_owner_never_overwrites_the_lease_of_the_job_that_took_it_over():
+    """Two Lease objects in one process on memory:// (whose writes are atomic and instant)."""
+    storage = Storage(f"memory://fencing-{uuid.uuid4().hex[:8]}")
+    old = Lease(storage, attempt="old", refresh=0.5)
     old.owner["host"] = "node-a"  # another host: only a stale heartbeat lets a new job in
     old.acquire()
     # The new job sees the old heartbeat as stale (timeout 0: any age is too old), as it would after the
     # old job hung for the real timeout. It takes over between two of the old job's heartbeats.
-    new = Lease(Storage(backend.url, backend.storage_options), attempt="new", timeout=0.0)
+    new = Lease(storage, attempt="new", timeout=0.0)
     wait_for_a_heartbeat(storage)
     new.acquire()
     try:
@@ -151,12 +151,12 @@ def test_old_owner_never_overwrites_the_lease_of_the_job_that_took_it_over(backe
 
 
 HUNG_OWNER = """
-import sys, time
+import json, sys, time
 sys.path.insert(0, {root!r})
 from ft_checkpoint.errors import LeaseError
 from ft_checkpoint.lease import Lease
 from ft_checkpoint.storage import Storage
-lease = Lease(Storage({url!r}), attempt="hung", refresh=1.0)
+lease = Lease(Storage({url!r}, json.loads({options!r})), attempt="hung", refresh=1.0)
 lease.acquire()
 print("HOLDING", flush=True)
 deadline = time.monotonic() + 120
@@ -171,24 +171,30 @@ lease.release()
 """
 
 
-def test_a_hung_job_taken_over_stops_writing_when_it_wakes(tmp_path):
-    url = str(tmp_path / "ckpt")
-    proc = subprocess.Popen([sys.executable, "-c", HUNG_OWNER.format(root=ROOT, url=url)], stdout=subprocess.PIPE,
-                            text=True)
+@pytest.mark.parametrize("kind", ["local", "s3", "gcs"])
+def test_a_hung_job_taken_over_stops_writing_when_it_wakes(kind, request, tmp_path):
+    """A real process holds the lease, hangs (SIGSTOP) between two heartbeats, is taken over, and wakes."""
+    from tests.conftest import _make_backend
+
+    backend = _make_backend(kind, request, tmp_path)
+    script = HUNG_OWNER.format(root=ROOT, url=backend.url, options=json.dumps(backend.storage_options))
+    env = {**os.environ, **(backend.server.env() if backend.server else {})}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout.readline().strip() == "HOLDING"
-        storage = Storage(url)
+        storage = Storage(backend.url, backend.storage_options)
         wait_for_a_heartbeat(storage)
-        proc.send_signal(signal.SIGSTOP)  # hung between two heartbeats: its lease goes stale
+        proc.send_signal(signal.SIGSTOP)  # hung right after a heartbeat: its lease goes stale
         new = Lease(storage, attempt="new", timeout=0.0)
         new.acquire()  # its process is alive (stopped), on this host: only staleness lets it in
         proc.send_signal(signal.SIGCONT)
         out, _ = proc.communicate(timeout=120)
         assert out.startswith("LOST this job lost the checkpoint lease"), out
         assert "(attempt new)" in out and "HINT" in out
-        assert holder_of(storage)["attempt"] == "new"
+        assert holder_of(storage)["attempt"] == "new", "the old owner's heartbeat overwrote the new owner"
         new.check_owned()
         new.release()
+        assert not storage.exists(LEASE)
     finally:
         if proc.poll() is None:
             proc.kill()
