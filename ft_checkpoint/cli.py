@@ -13,7 +13,10 @@ fsspec URL (``gs://bucket/run``); storage options (credentials, endpoint) come f
 ``FT_CHECKPOINT_STORAGE_OPTIONS`` (a JSON object) or the file named by ``FT_CHECKPOINT_CONFIG``, like the
 training's; without ``DIR``, ``FT_CHECKPOINT_DIRPATH``. The logic lives in ``ft_checkpoint.catalog`` and
 ``ft_checkpoint.goodput``; this module parses arguments and prints. Exit codes: 0 ok; 1 ``verify``
-found a problem; 2 a usage, configuration or storage error.
+found a problem; 2 a usage, configuration or storage error, or a file that cannot be read: always one
+line ``ft-checkpoint COMMAND: error: ...`` on stderr, never a traceback (``FT_CHECKPOINT_DEBUG=1``
+shows the traceback of an unexpected error). Warnings (such as journal files skipped as unreadable)
+go to stderr as ``ft-checkpoint: warning: ...``.
 
 Example:
     >>> main(["plan", "--mtbf", "6h", "--cost", "5m", "--json"])  # doctest: +ELLIPSIS
@@ -25,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import math
 import os
 import sys
 import time
@@ -33,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from ft_checkpoint import __version__
 from ft_checkpoint.config import parse_duration
 from ft_checkpoint.errors import FTCheckpointError
+from ft_checkpoint.jsonfile import short
 from ft_checkpoint.layout import human_bytes
 
 if TYPE_CHECKING:
@@ -43,20 +49,50 @@ class UsageError(Exception):
     """Wrong or impossible arguments: printed as an error, exit code 2."""
 
 
+MAX_SECONDS = 100 * 365.25 * 86400
+"""The longest duration the commands take (100 years): longer is a typo, and overflows the arithmetic."""
+
+
 def duration(text: str) -> float:
-    """argparse type: a duration in seconds (``1w`` allowed too)."""
+    """argparse type: a duration in seconds (``1w`` allowed too), finite and at most 100 years."""
     text = text.strip()
-    if text.endswith("w") and text[:-1].replace(".", "", 1).isdigit():
-        return float(text[:-1]) * 7 * 86400
     try:
-        return parse_duration(float(text) if text.replace(".", "", 1).isdigit() else text)
+        if text.endswith("w") and text[:-1].replace(".", "", 1).isdigit():
+            seconds = float(text[:-1]) * 7 * 86400
+        else:
+            seconds = parse_duration(float(text) if text.replace(".", "", 1).isdigit() else text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
+    if not math.isfinite(seconds) or seconds > MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"{short(text)}: use a duration of at most 100 years")
+    return seconds
+
+
+def positive_duration(text: str) -> float:
+    """argparse type: a duration > 0."""
+    seconds = duration(text)
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"{short(text)}: must be longer than 0")
+    return seconds
 
 
 def durations(text: str) -> list[float]:
-    """argparse type: comma-separated durations."""
-    return [duration(t) for t in text.split(",") if t.strip()]
+    """argparse type: comma-separated durations, each > 0 (at least one)."""
+    out = [positive_duration(t) for t in text.split(",") if t.strip()]
+    if not out:
+        raise argparse.ArgumentTypeError(f"{short(text)}: give at least one duration, e.g. 1h,6h")
+    return out
+
+
+def positive_number(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{short(text)}: use a finite number > 0")
+    return value
 
 
 def human(seconds: float) -> str:
@@ -68,6 +104,11 @@ def human(seconds: float) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    with _arithmetic("plan"):
+        return _plan(args)
+
+
+def _plan(args: argparse.Namespace) -> int:
     from ft_checkpoint.interval import daly_interval, expected_waste, young_interval
 
     d, m, r = args.cost, args.mtbf, args.restart
@@ -93,8 +134,8 @@ def _plot(path: str, d: float, m: float, r: float, best: float) -> None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'ft-checkpoint[plot]'") from None
+    except ImportError as e:
+        raise UsageError(f"--plot needs matplotlib ({e}). HINT: pip install 'ft-checkpoint[plot]'") from None
     from ft_checkpoint.interval import expected_waste
 
     xs = [best * 10 ** (i / 50 - 1.2) for i in range(121)]
@@ -110,6 +151,26 @@ def _plot(path: str, d: float, m: float, r: float, best: float) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    with _arithmetic("simulate"):
+        return _simulate(args)
+
+
+class _arithmetic:
+    """Turns an overflow (or a math domain error) of numbers the arguments allow into a UsageError."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type | None, e: BaseException | None, tb: Any) -> None:
+        if isinstance(e, ArithmeticError) or (isinstance(e, ValueError) and not isinstance(e, FTCheckpointError)):
+            raise UsageError(f"cannot compute with these numbers ({type(e).__name__}: {e}). HINT: give durations of "
+                             f"the same order as a real job's ('ft-checkpoint {self.command} --help')") from e
+
+
+def _simulate(args: argparse.Namespace) -> int:
     from ft_checkpoint.simulate import POLICIES, simulate_scenario
 
     rows = []
@@ -331,8 +392,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def _report_lines(report: Any) -> list[str]:
+    skipped = [f"(skipped {plural(len(report.skipped), 'unreadable journal file')}: see the warnings above)"] \
+        if report.skipped else []
     if not report.attempts:
-        return [f"{report.url}: no journal (nothing was recorded by ft-checkpoint in this directory)"]
+        return [f"{report.url}: no journal (nothing was recorded by ft-checkpoint in this directory)", *skipped]
     lines = [f"goodput of {report.url}: {plural(len(report.attempts), 'attempt')}, "
              f"{plural(report.failures, 'failure')}, {plural(report.preemptions, 'preemption')}"]
     rows = []
@@ -349,20 +412,28 @@ def _report_lines(report: Any) -> list[str]:
               f"{human(t['stall_s'])}, loading {human(t['load_s'])}, recomputed {t['recomputed_steps']} steps "
               f"({human(t['recomputed_s'])}), restart gaps {human(t['gap_s'])}",
               "goodput " + ("n/a" if t["goodput"] is None else f"{100 * t['goodput']:.1f}%") + " (useful / wall)"]
-    return lines
+    return lines + skipped
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with errors on one line (``ft-checkpoint plan: error: ...``) and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}. HINT: '{self.prog} --help' lists the arguments\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ft-checkpoint",
         description="Plan checkpoint intervals and inspect checkpoint directories (local paths or fsspec URLs).")
     parser.add_argument("--version", action="version", version=f"ft-checkpoint {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     plan = sub.add_parser("plan", help="Young's and Daly's optimal intervals and the expected waste")
-    plan.add_argument("--mtbf", type=duration, required=True, help="mean time between failures, e.g. 6h")
-    plan.add_argument("--cost", type=duration, required=True, help="what one checkpoint costs the training, e.g. 5m")
+    plan.add_argument("--mtbf", type=positive_duration, required=True, help="mean time between failures, e.g. 6h")
+    plan.add_argument("--cost", type=positive_duration, required=True,
+                      help="what one checkpoint costs the training, e.g. 5m")
     plan.add_argument("--restart", type=duration, default=0.0, help="time to restart after a failure")
     plan.add_argument("--json", action="store_true", help="machine-readable output")
     plan.add_argument("--plot", metavar="PNG", help="draw expected waste against interval (needs matplotlib)")
@@ -372,28 +443,36 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--mtbf", type=durations, default=durations("15m,1h,6h,1d,1w"))
     sim.add_argument("--cost", type=durations, default=durations("1s,10s,1m,10m"))
     sim.add_argument("--restart", type=duration, default=60.0)
-    sim.add_argument("--weibull", type=float, default=None, metavar="SHAPE", help="Weibull failures (e.g. 0.7)")
-    sim.add_argument("--seeds", type=int, default=20, help="runs per cell")
-    sim.add_argument("--early-seeds", type=int, default=3000, help="runs per cell before the 5th failure")
-    sim.add_argument("--work", type=float, default=50.0, help="useful work per run, in MTBFs")
-    sim.add_argument("--world-size", type=int, default=1024, help="GPUs, for ours' prior failure rate")
+    sim.add_argument("--weibull", type=positive_number, default=None, metavar="SHAPE",
+                     help="Weibull failures (e.g. 0.7)")
+    sim.add_argument("--seeds", type=positive, default=20, help="runs per cell")
+    sim.add_argument("--early-seeds", type=positive, default=3000, help="runs per cell before the 5th failure")
+    sim.add_argument("--work", type=positive_number, default=50.0, help="useful work per run, in MTBFs")
+    sim.add_argument("--world-size", type=positive, default=1024, help="GPUs, for ours' prior failure rate")
     sim.add_argument("--json", action="store_true")
     sim.set_defaults(func=cmd_simulate)
     _add_directory_commands(sub)
     return parser
 
 
+MAX_STEP = 10**12 - 1
+"""The largest step a checkpoint directory can hold (step directories have 12 digits)."""
+
+
 def step_number(text: str) -> int:
-    """argparse type: a step number (an integer >= 0)."""
-    if not text.strip().isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} is not a step number: use an integer >= 0, as 'ls' shows")
+    """argparse type: a step number (an integer from 0 to 10**12 - 1)."""
+    text = text.strip()
+    if not (text.isascii() and text.isdigit()) or len(text) > 12:
+        raise argparse.ArgumentTypeError(f"{short(text)} is not a step number: use an integer from 0 to {MAX_STEP}, "
+                                         "as 'ls' shows")
     return int(text)
 
 
 def positive(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: use an integer >= 1")
+    """argparse type: an integer from 1 to 10**12 - 1."""
+    text = text.strip()
+    if not (text.isascii() and text.isdigit()) or len(text) > 12 or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{short(text)}: use an integer from 1 to {MAX_STEP}")
     return int(text)
 
 
@@ -435,15 +514,44 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    _log_warnings_to_stderr()
     try:
         result: Any = args.func(args)
     except (FTCheckpointError, UsageError) as e:
-        print(f"ft-checkpoint {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return _error(args.command, str(e))
     except BrokenPipeError:  # e.g. piped into head: not an error
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silences the flush at exit
         return 0
+    except KeyboardInterrupt:
+        return _error(args.command, "interrupted", code=130)
+    except Exception as e:  # a file or argument nothing above foresaw: one line, not a traceback
+        if os.environ.get("FT_CHECKPOINT_DEBUG"):
+            raise
+        return _error(args.command, f"unexpected {type(e).__name__}: {e}. HINT: a file in the directory may be "
+                                    "damaged; FT_CHECKPOINT_DEBUG=1 shows the traceback (please report it)")
     return int(result or 0)
+
+
+def _error(command: str, message: str, code: int = 2) -> int:
+    """Print ``ft-checkpoint COMMAND: error: MESSAGE`` as one line on stderr; return ``code``."""
+    print(f"ft-checkpoint {command}: error: {' '.join(message.split())}", file=sys.stderr)
+    return code
+
+
+class _StderrWarnings(logging.Handler):
+    """``ft-checkpoint: warning: ...`` on stderr (as it is at the time), for the package's warnings."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(f"ft-checkpoint: {record.levelname.lower()}: {record.getMessage()}", file=sys.stderr)
+        except Exception:
+            self.handleError(record)
+
+
+def _log_warnings_to_stderr() -> None:
+    logger = logging.getLogger("ft_checkpoint")
+    if not any(isinstance(h, _StderrWarnings) for h in logger.handlers):
+        logger.addHandler(_StderrWarnings(logging.WARNING))
 
 
 if __name__ == "__main__":

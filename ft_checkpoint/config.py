@@ -3,8 +3,10 @@
 ``accelerate launch``, sbatch scripts and Kubernetes manifests configure jobs through the
 environment, so every field can come from ``FT_CHECKPOINT_<FIELD>`` (e.g. ``FT_CHECKPOINT_DIRPATH``,
 ``FT_CHECKPOINT_INTERVAL=30m``) or from a YAML file named by ``FT_CHECKPOINT_CONFIG``. Precedence:
-explicit arguments > environment > file. Every value is validated when the config is built; an error
-names the field, the bad value and what is allowed.
+explicit arguments > environment > file. Every value is validated when the config is built; any bad
+value (of any type: ``nan``, ``inf``, ``10**400``, a nested list, bytes, an object) is a
+:class:`~ft_checkpoint.errors.ConfigError` that names the field, the bad value and what is allowed.
+Durations are finite, from 1 ms up to 100 years; counts of steps below ``10**12`` (the step range).
 
 Example:
     >>> cfg = CheckpointConfig(dirpath="/tmp/run", interval="30m", keep_last=2)
@@ -20,37 +22,60 @@ import dataclasses
 import datetime
 import difflib
 import json
+import math
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 from ft_checkpoint.errors import ConfigError
+from ft_checkpoint.jsonfile import is_int, is_number, short
 from ft_checkpoint.preemption import parse_signal
 
 ENV_PREFIX = "FT_CHECKPOINT_"
 ENV_CONFIG_FILE = "FT_CHECKPOINT_CONFIG"
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+MAX_DURATION = 100 * 365.25 * 86400
+"""The longest duration a field takes (100 years, in seconds): longer is a mistake, and overflows."""
+MIN_DURATION = 0.001
+"""The shortest positive duration a field takes (1 ms, the smallest unit): shorter underflows."""
+MAX_STEPS = 10**12 - 1
+"""The largest step count (step directories have 12 digits)."""
+MAX_RETRIES = 1000
+MIN_GPU_FAILURE_RATE = 1e-12
+"""The smallest prior failure rate per GPU-second (one failure in 31,700 GPU-years)."""
+MAX_CONFIG_FILE = 1 << 20
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$", re.ASCII)
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
 def parse_duration(value: int | float | str | datetime.timedelta) -> float:
     """Seconds from a number of seconds, a ``timedelta`` or a string such as ``"30s"``, ``"5m"``, ``"6h"``, ``"2d"``
-    (a bare number in a string, as env vars give it, is seconds).
+    (a bare number in a string, as env vars give it, is seconds). ValueError for anything else, and for
+    ``nan`` and ``inf``: a duration is finite.
 
     Example:
         >>> parse_duration("5m"), parse_duration(datetime.timedelta(hours=1)), parse_duration(90)
         (300.0, 3600.0, 90.0)
     """
+    seconds = None
     if isinstance(value, datetime.timedelta):
-        return value.total_seconds()
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            seconds = float(value)
+        except OverflowError:
+            seconds = math.inf
+    elif isinstance(value, str):
         m = _DURATION_RE.match(value)
         if m:
-            return float(m.group(1)) * _UNITS[m.group(2) or "s"]
-    raise ValueError(f"{value!r} is not a duration: use seconds, a timedelta, or a string like '30s', '5m', '6h', '2d'")
+            seconds = float(m.group(1)) * _UNITS[m.group(2) or "s"]
+    if seconds is None:
+        raise ValueError(f"{short(value)} is not a duration: use seconds, a timedelta, or a string like '30s', "
+                         "'5m', '6h', '2d'")
+    if not math.isfinite(seconds):
+        raise ValueError(f"{short(value)} is not a finite duration")
+    return seconds
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,7 +103,8 @@ class CheckpointConfig:
     """Adaptive interval: prior mean time between failures of this job (default: from ``gpu_failure_rate``)."""
 
     gpu_failure_rate: float | None = None
-    """Adaptive interval: prior failures per GPU-second (default: Llama 3's, 419 in 54 days on 16,384 GPUs)."""
+    """Adaptive interval: prior failures per GPU-second (default: Llama 3's, 419 in 54 days on 16,384 GPUs),
+    from ``1e-12`` to ``1``; a numeric string (``"5e-9"``, as YAML gives it) is read as a number."""
 
     keep_last: int = 3
     """How many of the newest committed steps to keep (>= 1)."""
@@ -131,42 +157,11 @@ class CheckpointConfig:
     Non-zero for launchers that only restart failed workers (Kubernetes ``restartPolicy: ExitCode``)."""
 
     def __post_init__(self) -> None:
-        if self.dirpath is not None and (not isinstance(self.dirpath, str) or not self.dirpath.strip()):
-            _bad("dirpath", self.dirpath, "a non-empty local path or fsspec URL such as 'gs://bucket/run'")
-        object.__setattr__(self, "interval", _normalize_interval(self.interval))
-        for name in ("min_interval", "max_interval", "mtbf"):
-            _check_duration(name, getattr(self, name))
-        try:
-            ok = parse_duration(self.progress_interval) >= 0 and not isinstance(self.progress_interval, bool)
-        except ValueError:
-            ok = False
-        if not ok:
-            _bad("progress_interval", self.progress_interval, "a duration >= 0: seconds, a timedelta, or '10s'")
-        if self.gpu_failure_rate is not None and (
-                not isinstance(self.gpu_failure_rate, (int, float)) or isinstance(self.gpu_failure_rate, bool)
-                or self.gpu_failure_rate <= 0):
-            _bad("gpu_failure_rate", self.gpu_failure_rate, "a positive number of failures per GPU-second")
+        for name, validate in _VALIDATORS.items():
+            object.__setattr__(self, name, _validated(name, validate, getattr(self, name)))
         if (self.min_interval is not None and self.max_interval is not None
                 and parse_duration(self.min_interval) > parse_duration(self.max_interval)):
             _bad("min_interval", self.min_interval, f"a duration no longer than max_interval={self.max_interval!r}")
-        _check_int("keep_last", self.keep_last, minimum=1)
-        if self.keep_every_n_steps is not None:
-            _check_int("keep_every_n_steps", self.keep_every_n_steps, minimum=1)
-        if not isinstance(self.storage_options, dict):
-            _bad("storage_options", self.storage_options, "a dict of fsspec filesystem options")
-        for name in ("async_save", "save_rng_state", "verify_checksums", "force_takeover"):
-            if not isinstance(getattr(self, name), bool):
-                _bad(name, getattr(self, name), "True or False")
-        _check_int("retries", self.retries, minimum=1)
-        if self.on_save_error not in ("raise", "warn"):
-            _bad("on_save_error", self.on_save_error, "'raise' or 'warn'")
-        object.__setattr__(self, "preemption_signals", _normalize_signals(self.preemption_signals))
-        if self.requeue is not None and not isinstance(self.requeue, bool):
-            _bad("requeue", self.requeue, "True, False or None (requeue if the Slurm job allows it)")
-        _check_duration("end_time_margin", self.end_time_margin)
-        if not isinstance(self.preemption_exit_code, int) or isinstance(self.preemption_exit_code, bool) \
-                or not 0 <= self.preemption_exit_code <= 255:
-            _bad("preemption_exit_code", self.preemption_exit_code, "an integer from 0 to 255")
 
     def replace(self, **changes: Any) -> CheckpointConfig:
         """A copy with ``changes`` applied (validated)."""
@@ -196,87 +191,177 @@ FIELDS = tuple(f.name for f in dataclasses.fields(CheckpointConfig))
 
 
 def _bad(field: str, value: Any, allowed: str) -> None:
-    raise ConfigError(f"{field}={value!r} is invalid: expected {allowed}")
+    raise ConfigError(f"{field}={short(value)} is invalid: expected {allowed}")
 
 
-def _check_int(field: str, value: Any, *, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        _bad(field, value, f"an integer >= {minimum}")
-
-
-def _check_duration(field: str, value: Any) -> None:
-    if value is None:
-        return
+def _validated(name: str, validate: Callable[[str, Any], Any], value: Any) -> Any:
+    """``validate(name, value)``; whatever else it raises on a hostile value becomes a ConfigError naming the field."""
     try:
-        ok = parse_duration(value) > 0
-    except ValueError:
-        ok = False
-    if not ok or isinstance(value, bool):
-        _bad(field, value, "a positive duration: seconds, a timedelta, or a string like '30s', '5m', '6h', '2d'")
+        return validate(name, value)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, OverflowError, RecursionError, AttributeError, LookupError) as e:
+        raise ConfigError(f"{name}={short(value)} is invalid ({type(e).__name__}: {e})") from None
 
 
-def _check_names(names: Any, where: str = "argument") -> None:
-    for name in names:
-        if name not in FIELDS:
-            close = difflib.get_close_matches(name, FIELDS, n=1)
-            hint = f" HINT: did you mean {close[0]!r}?" if close else f" Known fields: {', '.join(FIELDS)}."
-            raise ConfigError(f"unknown checkpoint config {where} {name!r}.{hint}")
+def _check_int(field: str, value: Any, *, minimum: int, maximum: int = MAX_STEPS) -> int:
+    if not is_int(value) or not minimum <= value <= maximum:
+        _bad(field, value, f"an integer from {minimum} to {maximum}")
+    return value
 
 
-def _normalize_interval(value: Any) -> int | datetime.timedelta | str:
-    if isinstance(value, bool):
-        _bad("interval", value, "an int >= 1 (steps), a timedelta, a duration like '30m', or 'adaptive'")
-    if isinstance(value, int):
-        _check_int("interval", value, minimum=1)
+def _int(minimum: int, maximum: int = MAX_STEPS, *, optional: bool = False) -> Callable[[str, Any], Any]:
+    def check(field: str, value: Any) -> int | None:
+        return None if optional and value is None else _check_int(field, value, minimum=minimum, maximum=maximum)
+    return check
+
+
+def _duration(*, optional: bool = False, zero_ok: bool = False) -> Callable[[str, Any], Any]:
+    """A validator of a duration field: > 0 (or >= 0), at most 100 years; None only if ``optional``."""
+    def check(field: str, value: Any) -> Any:
+        if value is None and optional:
+            return None
+        try:
+            seconds = None if isinstance(value, bool) else parse_duration(value)
+        except ValueError:
+            seconds = None
+        if seconds is None or not (seconds >= 0 if zero_ok else seconds >= MIN_DURATION) or seconds > MAX_DURATION:
+            _bad(field, value, f"a duration {'>= 0' if zero_ok else 'from 1 ms'} up to 100 years: seconds, a "
+                               "timedelta, or a string like '30s', '5m', '6h', '2d'")
         return value
+    return check
+
+
+def _bool(*, optional: bool = False) -> Callable[[str, Any], Any]:
+    def check(field: str, value: Any) -> bool | None:
+        if not (isinstance(value, bool) or (optional and value is None)):
+            _bad(field, value, "True or False" + (" or None" if optional else ""))
+        return value
+    return check
+
+
+def _check_dirpath(field: str, value: Any) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value.strip() or "\x00" in value or len(value) > 4096):
+        _bad(field, value, "a non-empty local path or fsspec URL such as 'gs://bucket/run' (at most 4096 characters)")
+    return value
+
+
+def _normalize_interval(field: str, value: Any) -> int | datetime.timedelta | str:
+    if isinstance(value, bool):
+        _bad(field, value, "an int >= 1 (steps), a timedelta, a duration like '30m', or 'adaptive'")
+    if isinstance(value, int):
+        return _check_int(field, value, minimum=1)
     if isinstance(value, str):
         text = value.strip().lower()
         if text == "adaptive":
             return "adaptive"
-        if text.isdigit():
-            return _normalize_interval(int(text))
+        if text.isascii() and text.isdigit():
+            return _check_int(field, int(text) if len(text) <= 13 else math.inf, minimum=1)
     try:
         seconds = parse_duration(value)
     except ValueError:
         seconds = -1.0
-    if seconds <= 0:
-        _bad("interval", value, "an int >= 1 (steps), a positive timedelta, a duration like '30m', or 'adaptive'")
+    if not MIN_DURATION <= seconds <= MAX_DURATION:
+        _bad(field, value, "an int >= 1 (steps), a timedelta or duration from 1 ms up to 100 years like '30m', "
+                           "or 'adaptive'")
     return datetime.timedelta(seconds=seconds)
 
 
-def _normalize_signals(value: Any) -> tuple[str, ...]:
+def _normalize_rate(field: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    rate = value
+    if isinstance(value, str):
+        try:
+            rate = float(value)
+        except ValueError:
+            rate = None
+    if not is_number(rate) or not MIN_GPU_FAILURE_RATE <= rate <= 1:
+        _bad(field, value, f"a finite number of failures per GPU-second from {MIN_GPU_FAILURE_RATE:g} to 1")
+    return float(rate)
+
+
+def _check_storage_options(field: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        _bad(field, value, "a dict of fsspec filesystem options with string keys (in the environment: a JSON object)")
+    return value
+
+
+def _check_choice(*choices: str) -> Callable[[str, Any], str]:
+    def check(field: str, value: Any) -> str:
+        if not isinstance(value, str) or value not in choices:
+            _bad(field, value, " or ".join(repr(c) for c in choices))
+        return value
+    return check
+
+
+def _check_names(names: Any, where: str = "argument") -> None:
+    for name in names:
+        if not isinstance(name, str):
+            raise ConfigError(f"checkpoint config {where} {short(name)} is not a field name. Known fields: "
+                              f"{', '.join(FIELDS)}.")
+        if name not in FIELDS:
+            close = difflib.get_close_matches(name[:100], FIELDS, n=1)
+            hint = f" HINT: did you mean {close[0]!r}?" if close else f" Known fields: {', '.join(FIELDS)}."
+            raise ConfigError(f"unknown checkpoint config {where} {short(name)}.{hint}")
+
+
+def _normalize_signals(field: str, value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         value = [] if value.strip().lower() in ("", "none") else value.split(",")
-    if not isinstance(value, (list, tuple)):
-        _bad("preemption_signals", value, "a list of signal names such as ['SIGTERM', 'SIGUSR1'], or []")
+    if not isinstance(value, (list, tuple)) or len(value) > 64 or \
+            not all(isinstance(v, str) and len(v) < 32 or is_int(v) for v in value):
+        _bad(field, value, "a list of signal names such as ['SIGTERM', 'SIGUSR1'], or []")
     return tuple(parse_signal(v).name for v in value)
 
 
+_VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
+    "dirpath": _check_dirpath,
+    "interval": _normalize_interval,
+    "min_interval": _duration(optional=True),
+    "max_interval": _duration(optional=True),
+    "mtbf": _duration(optional=True),
+    "gpu_failure_rate": _normalize_rate,
+    "keep_last": _int(1),
+    "keep_every_n_steps": _int(1, optional=True),
+    "storage_options": _check_storage_options,
+    "async_save": _bool(),
+    "save_rng_state": _bool(),
+    "verify_checksums": _bool(),
+    "retries": _int(1, MAX_RETRIES),
+    "progress_interval": _duration(zero_ok=True),
+    "force_takeover": _bool(),
+    "on_save_error": _check_choice("raise", "warn"),
+    "preemption_signals": _normalize_signals,
+    "requeue": _bool(optional=True),
+    "end_time_margin": _duration(),
+    "preemption_exit_code": _int(0, 255),
+}
+"""Each field's validator: ``(name, value) -> value`` (normalized), or a ConfigError naming the field."""
+
+
 def _parse_env_value(field: str, text: str) -> Any:
-    if field == "requeue" and text.strip().lower() in ("", "none", "auto"):
+    """The value of ``FT_CHECKPOINT_<FIELD>=text`` (validated later, with the other fields)."""
+    word = text.strip().lower()
+    if field in ("requeue", "keep_every_n_steps") and word in ("", "none", "auto"):
         return None
     if field in ("async_save", "save_rng_state", "verify_checksums", "force_takeover", "requeue"):
-        if text.strip().lower() in _TRUE | _FALSE:
-            return text.strip().lower() in _TRUE
+        if word in _TRUE | _FALSE:
+            return word in _TRUE
         _bad(field, text, "one of 1/0, true/false, yes/no, on/off")
     if field in ("keep_last", "retries", "keep_every_n_steps", "preemption_exit_code"):
-        if field == "keep_every_n_steps" and text.strip().lower() in ("", "none"):
-            return None
-        try:
-            return int(text)
-        except ValueError:
+        digits = word.removeprefix("-").removeprefix("+")
+        if not (digits.isascii() and digits.isdigit() and len(digits) <= 20):
             _bad(field, text, "an integer")
-    if field == "gpu_failure_rate":
-        try:
-            return float(text)
-        except ValueError:
-            _bad(field, text, "a positive number of failures per GPU-second")
+        return int(word)
     if field == "storage_options":
         try:
-            options = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"storage_options={text!r} is invalid: expected a JSON object ({e})") from e
-        return options
+            return json.loads(text)
+        except RecursionError:
+            raise ConfigError(f"storage_options={short(text)} is invalid: expected a JSON object (nested too "
+                              "deeply)") from None
+        except ValueError as e:
+            raise ConfigError(f"storage_options={short(text)} is invalid: expected a JSON object ({e})") from None
     return text
 
 
@@ -295,14 +380,25 @@ def _from_file() -> dict[str, Any]:
         return {}
     import yaml
 
+    where = f"{ENV_CONFIG_FILE}={path!r}"
     try:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
+        with open(path, encoding="utf-8") as f:
+            text = f.read(MAX_CONFIG_FILE + 1)
     except OSError as e:
-        raise ConfigError(f"{ENV_CONFIG_FILE}={path!r}: cannot read the file ({e})") from e
+        raise ConfigError(f"{where}: cannot read the file ({e})") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{where}: not UTF-8 text ({e})") from None
+    if len(text) > MAX_CONFIG_FILE:
+        raise ConfigError(f"{where}: larger than {MAX_CONFIG_FILE} characters, not a config file")
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{ENV_CONFIG_FILE}={path!r}: not valid YAML ({e})") from e
+        raise ConfigError(f"{where}: not valid YAML ({e})") from e
+    except RecursionError:
+        raise ConfigError(f"{where}: YAML nested too deeply") from None
+    if data is None:
+        return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{ENV_CONFIG_FILE}={path!r}: expected a mapping of field: value, got {type(data).__name__}")
+        raise ConfigError(f"{where}: expected a mapping of field: value, got {type(data).__name__}")
     _check_names(data, where=f"key in {path}:")
     return data

@@ -37,10 +37,15 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+from ft_checkpoint.jsonfile import is_number
+
+log = logging.getLogger(__name__)
 
 LLAMA3_GPU_FAILURE_RATE = 419 / (54 * 86400 * 16384)
 """Unexpected interruptions per GPU-second in Llama 3's 54-day pre-training run (Meta, 2024)."""
@@ -103,13 +108,23 @@ def count_failures(attempts: Iterable[Mapping[str, Any]], now: float | None = No
 
     Each summary has ``start``, ``end`` (time of its last event) and ``ended`` (a clean end or an
     announced preemption was recorded); the last attempt is the running one, exposed until ``now``.
+    A summary whose times are not finite numbers is skipped with a warning: it can only come from a
+    garbled journal, and one infinite exposure would make the job look as if it never failed.
+
+    Example:
+        >>> count_failures([{"start": 0, "end": 50, "ended": False}, {"start": 60, "end": 60, "ended": False}], now=100)
+        (1, 90.0)
     """
     attempts = list(attempts)
     failures, exposure = 0, 0.0
     for i, a in enumerate(attempts):
         running = i == len(attempts) - 1
-        end = (time.time() if now is None else now) if running else a["end"]
+        end = (time.time() if now is None else now) if running else a.get("end")
+        if not (is_number(a.get("start")) and is_number(end)):
+            log.warning("ignoring attempt %s in the failure count: start=%r, end=%r are not finite times",
+                        a.get("attempt"), a.get("start"), end)
+            continue
         exposure += max(0.0, end - a["start"])
-        if not running and not a["ended"]:
+        if not running and a.get("ended") is not True:
             failures += 1
     return failures, exposure

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ft_checkpoint.journal import attempt_summaries, read_journal
+from ft_checkpoint.journal import JournalReader
 from ft_checkpoint.storage import Storage
 
 CLEAN_END, PREEMPTED, FAILED, UNFINISHED = "clean_end", "preempted", "failed", "unfinished"
@@ -87,6 +87,8 @@ class GoodputReport:
 
     url: str
     attempts: list[AttemptReport]
+    skipped: list[str] = dataclasses.field(default_factory=list)
+    """Journal files (URLs) skipped because they did not parse or were wrongly typed."""
 
     @property
     def wall_s(self) -> float:
@@ -135,23 +137,28 @@ class GoodputReport:
         return {"attempts": len(self.attempts), **{n: getattr(self, n) for n in names}}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"url": self.url, "total": self.totals(), "attempts": [a.to_dict() for a in self.attempts]}
+        return {"url": self.url, "total": self.totals(), "attempts": [a.to_dict() for a in self.attempts],
+                "skipped": list(self.skipped)}
 
 
 def goodput_report(storage: Storage) -> GoodputReport:
     """Read the journal of ``storage`` and account for every second of the job.
 
+    Journal files that do not parse or are wrongly typed are skipped with a warning naming them
+    (``skipped`` of the report lists them).
+
     Example:
         >>> goodput_report(Storage("memory://doc/no-journal")).attempts
         []
     """
+    reader = JournalReader(storage)
     by_attempt: dict[str, list[dict[str, Any]]] = {}
-    for event in read_journal(storage):
-        by_attempt.setdefault(event.get("attempt", ""), []).append(event)
-    attempts = [_attempt(s, by_attempt.get(s["attempt"], [])) for s in attempt_summaries(storage)]
+    for event in reader.events():
+        by_attempt.setdefault(event["attempt"], []).append(event)
+    attempts = [_attempt(s, by_attempt.get(s["attempt"], [])) for s in reader.summaries()]
     for before, after in zip(attempts, attempts[1:], strict=False):
         _charge_restart(before, after)
-    return GoodputReport(url=storage.url, attempts=attempts)
+    return GoodputReport(url=storage.url, attempts=attempts, skipped=reader.skipped)
 
 
 def _attempt(summary: dict[str, Any], events: list[dict[str, Any]]) -> AttemptReport:

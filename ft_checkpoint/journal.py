@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import os
+import re
 import socket
 import threading
 import time
@@ -33,6 +34,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ft_checkpoint import jsonfile
 from ft_checkpoint.errors import StorageError
 from ft_checkpoint.layout import JOURNAL_DIR
 from ft_checkpoint.storage import Storage
@@ -149,47 +151,164 @@ class Journal:
 
 ENDED_EVENTS = ("clean_end", "preempted")
 PROGRESS = "progress.json"
+CLOCK_SLACK = 86400.0
+"""How far (seconds) a journal time may lie before its attempt's start or after now before it is garbage."""
+MAX_SAVE_COST = 86400.0
+"""The largest save cost (seconds) taken from a progress note; more is garbage, not a measurement."""
+_ATTEMPT_RE = re.compile(r"^(\d{8}T\d{6})\.(\d{6})Z-[0-9A-Za-z]+$", re.ASCII)
+_EVENT_RE = re.compile(r"^\d{6,}-([a-z_]+)\.json$", re.ASCII)
+_STEP_FIELDS = ("step", "last_step")
+_SECONDS_FIELDS = ("stall", "seconds", "duration", "waited", "bytes")
 
 
 def attempt_start_time(attempt: str) -> float:
-    """The UTC start time encoded in an attempt id."""
-    stamp, micro = attempt.split("-", 1)[0].rstrip("Z").split(".")
-    return calendar.timegm(time.strptime(stamp, "%Y%m%dT%H%M%S")) + int(micro) / 1e6
+    """The UTC start time encoded in an attempt id; ValueError if ``attempt`` is not one.
+
+    Example:
+        >>> attempt_start_time("20261129T000000.500000Z-abc123")
+        1795910400.5
+    """
+    m = _ATTEMPT_RE.match(attempt)
+    if not m:
+        raise ValueError(f"{jsonfile.short(attempt)} is not an attempt id (like 20261129T000000.000000Z-abc123)")
+    return calendar.timegm(time.strptime(m.group(1), "%Y%m%dT%H%M%S")) + int(m.group(2)) / 1e6
+
+
+def parse_event(data: bytes, *, attempt: str, now: float | None = None) -> dict[str, Any]:
+    """One journal event of ``attempt``, strictly typed; ValueError naming what is wrong with it.
+
+    Example:
+        >>> parse_event(b'{"event": "commit", "time": "noon"}', attempt="20261129T000000.000000Z-abc123")
+        Traceback (most recent call last):
+        ValueError: time='noon': expected a finite number
+    """
+    event = jsonfile.load_object(data)
+    jsonfile.get_str(event, "event")
+    _check_time(event, attempt, now)
+    if jsonfile.get_str(event, "attempt") != attempt:
+        raise ValueError(f"attempt={jsonfile.short(event['attempt'])}: it lies in the journal of {attempt}")
+    jsonfile.get_int(event, "seq", minimum=0)
+    for key in _STEP_FIELDS:
+        jsonfile.get_int(event, key, minimum=0, maximum=10**12 - 1, optional=True)
+    for key in _SECONDS_FIELDS:
+        jsonfile.get_number(event, key, minimum=0, optional=True)
+    return event
+
+
+def parse_progress(data: bytes, *, attempt: str, now: float | None = None) -> dict[str, Any]:
+    """An attempt's progress note (``step``, ``time``, ``save_cost``); ValueError naming what is wrong."""
+    note = jsonfile.load_object(data)
+    _check_time(note, attempt, now)
+    jsonfile.get_int(note, "step", minimum=0, maximum=10**12 - 1, optional=True)
+    cost = jsonfile.get_number(note, "save_cost", minimum=0, maximum=MAX_SAVE_COST, optional=True)
+    if cost == 0:
+        raise ValueError("save_cost=0: a save costs something; expected a measured number of seconds")
+    return note
+
+
+def _check_time(obj: dict[str, Any], attempt: str, now: float | None) -> float:
+    """``obj["time"]``: a finite number within ``CLOCK_SLACK`` of the attempt's life."""
+    t = jsonfile.get_number(obj, "time")
+    start, now = attempt_start_time(attempt), time.time() if now is None else now
+    if not start - CLOCK_SLACK <= t <= now + CLOCK_SLACK:
+        raise ValueError(f"time={t!r} lies outside the attempt's life (it started at {start:.0f}, now is {now:.0f})")
+    return t
+
+
+class JournalReader:
+    """Reads a journal once, skipping (with a warning naming the file) everything that does not parse.
+
+    Each file is read at most once and warned about at most once, so one reader serves
+    :meth:`summaries` and :meth:`events` (as the goodput report does).
+
+    Example:
+        >>> from ft_checkpoint.storage import Storage
+        >>> s = Storage("memory://doc/reader")
+        >>> Journal(s, attempt="20261129T000000.000000Z-abc123").record("attempt_start")
+        >>> s.write_bytes("journal/20261129T000000.000000Z-abc123/000001-commit.json", b"[1]")
+        >>> r = JournalReader(s)
+        >>> [e["event"] for e in r.events()], r.skipped
+        (['attempt_start'], ['memory://doc/reader/journal/20261129T000000.000000Z-abc123/000001-commit.json'])
+    """
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self.now = time.time()
+        self.skipped: list[str] = []
+        """URLs of the files and attempt directories skipped as unreadable, in the order met."""
+        self._parsed: dict[str, dict[str, Any] | None] = {}
+        self._names: dict[str, list[str]] | None = None
+
+    def attempts(self) -> dict[str, list[str]]:
+        """Valid attempt ids, oldest first, each with its file names (sorted)."""
+        if self._names is None:
+            self._names = {}
+            for attempt in self.storage.listdir(JOURNAL_DIR):
+                where = f"{JOURNAL_DIR}/{attempt}"
+                try:
+                    if attempt_start_time(attempt) > self.now + CLOCK_SLACK:
+                        raise ValueError("its start time lies in the future")
+                    self._names[attempt] = self.storage.listdir(where)
+                except (ValueError, StorageError) as e:
+                    self._skip(where, e)
+        return self._names
+
+    def events(self) -> list[dict[str, Any]]:
+        """Every valid event of every attempt, in order (attempts by start time, events by sequence)."""
+        out = []
+        for attempt, names in self.attempts().items():
+            out += [e for e in (self._event(attempt, n) for n in names if _EVENT_RE.match(n)) if e is not None]
+        return sorted(out, key=lambda e: (e["attempt"], e["seq"]))
+
+    def summaries(self) -> list[dict[str, Any]]:
+        """Per attempt, oldest first: see :func:`attempt_summaries`."""
+        out = []
+        for attempt, names in self.attempts().items():
+            events = [n for n in names if _EVENT_RE.match(n)]
+            last = next((e for e in (self._event(attempt, n) for n in reversed(events)) if e is not None), None)
+            if last is None:
+                continue  # no readable event: nothing is known about this attempt
+            progress = self._progress(attempt) if PROGRESS in names else None
+            ended = any(_EVENT_RE.match(n).group(1) in ENDED_EVENTS and self._event(attempt, n) is not None
+                        for n in events)
+            end = max(last["time"], progress["time"]) if progress else last["time"]
+            out.append({"attempt": attempt, "start": attempt_start_time(attempt), "end": end, "ended": ended,
+                        "last_step": progress.get("step") if progress else None,
+                        "save_cost": progress.get("save_cost") if progress else None})
+        return out
+
+    def _event(self, attempt: str, name: str) -> dict[str, Any] | None:
+        return self._load(f"{JOURNAL_DIR}/{attempt}/{name}", lambda data: parse_event(data, attempt=attempt, now=self.now))
+
+    def _progress(self, attempt: str) -> dict[str, Any] | None:
+        return self._load(f"{JOURNAL_DIR}/{attempt}/{PROGRESS}",
+                          lambda data: parse_progress(data, attempt=attempt, now=self.now))
+
+    def _load(self, rel: str, parse: Any) -> dict[str, Any] | None:
+        if rel not in self._parsed:
+            try:
+                self._parsed[rel] = parse(self.storage.read_bytes(rel))
+            except (ValueError, StorageError) as e:
+                self._parsed[rel] = None
+                self._skip(rel, e)
+        return self._parsed[rel]
+
+    def _skip(self, rel: str, reason: Exception) -> None:
+        url = self.storage.url_of(rel)
+        self.skipped.append(url)
+        log.warning("skipping the unreadable journal entry %s: %s", url, reason)
 
 
 def attempt_summaries(storage: Storage) -> list[dict[str, Any]]:
     """Per attempt, oldest first: ``attempt``, ``start``, ``end`` (time of its last sign of life),
     ``ended`` (cleanly or by an announced preemption), ``last_step`` (its last progress note, or
-    None) and ``save_cost`` (what a save cost it, if measured). Costs one listing and at most two
-    small reads per attempt."""
-    out = []
-    for attempt in storage.listdir(JOURNAL_DIR):
-        names = storage.listdir(f"{JOURNAL_DIR}/{attempt}")
-        events = [n for n in names if n.endswith(".json") and n != PROGRESS]
-        if not events:
-            continue
-        try:
-            start = attempt_start_time(attempt)
-            end = json.loads(storage.read_bytes(f"{JOURNAL_DIR}/{attempt}/{events[-1]}"))["time"]
-            progress = json.loads(storage.read_bytes(f"{JOURNAL_DIR}/{attempt}/{PROGRESS}")) if PROGRESS in names else {}
-        except (ValueError, KeyError, StorageError) as e:
-            log.warning("skipping unreadable journal attempt %s: %s", attempt, e)
-            continue
-        ended = any(n.split("-", 1)[-1][:-5] in ENDED_EVENTS for n in events)
-        out.append({"attempt": attempt, "start": start, "end": max(end, progress.get("time", end)),
-                    "ended": ended, "last_step": progress.get("step"), "save_cost": progress.get("save_cost")})
-    return out
+    None) and ``save_cost`` (what a save cost it, if measured). Costs one listing and a few small
+    reads per attempt. Files that do not parse, or whose fields have the wrong type or an impossible
+    time, are skipped with a warning naming them (an attempt with no readable event is skipped)."""
+    return JournalReader(storage).summaries()
 
 
 def read_journal(storage: Storage) -> list[dict[str, Any]]:
-    """Every event of every attempt, in order (attempts by start time, events by sequence)."""
-    events = []
-    for attempt in storage.listdir(JOURNAL_DIR):
-        for name in storage.listdir(f"{JOURNAL_DIR}/{attempt}"):
-            if not name.endswith(".json") or name == PROGRESS:
-                continue
-            try:
-                events.append(json.loads(storage.read_bytes(f"{JOURNAL_DIR}/{attempt}/{name}")))
-            except (ValueError, StorageError) as e:
-                log.warning("skipping unreadable journal event %s/%s: %s", attempt, name, e)
-    return sorted(events, key=lambda e: (e.get("attempt", ""), e.get("seq", 0)))
+    """Every event of every attempt, in order (attempts by start time, events by sequence); events that
+    do not parse or are wrongly typed are skipped with a warning naming the file."""
+    return JournalReader(storage).events()

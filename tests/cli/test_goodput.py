@@ -3,6 +3,7 @@ restarts, and attempts whose progress is unknown."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -11,6 +12,7 @@ from ft_checkpoint.goodput import goodput_report
 from ft_checkpoint.journal import Journal, new_attempt_id
 from ft_checkpoint.storage import Storage
 from tests.cli.conftest import cli
+from tests.helpers import garbage_journal as garbage
 
 
 def attempt(storage: Storage, *events: tuple, progress: int | None = None) -> str:
@@ -63,3 +65,19 @@ def test_no_journal(tmp_path):
     assert goodput_report(Storage(str(tmp_path))).goodput is None
     proc = cli("report", str(tmp_path))
     assert proc.returncode == 0 and "no journal" in proc.stdout
+
+
+def test_report_on_a_garbled_journal_warns_naming_each_file_and_reports_the_rest(tmp_path):
+    url = str(tmp_path / "run")
+    what = garbage.garble(Storage(url))
+    text = cli("report", url)
+    assert text.returncode == 0 and "Traceback" not in text.stderr, text.stderr
+    for path, kind in what.items():
+        assert f"ft-checkpoint: warning: skipping the unreadable journal entry {path}" in text.stderr, kind
+    assert "1 attempt, 0 failures" in text.stdout and "unreadable journal file" in text.stdout
+    proc = cli("report", url, "--json")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    report = json.loads(proc.stdout)
+    assert len(report["attempts"]) == 1 and report["attempts"][0]["saves"] == [
+        {"time": report["attempts"][0]["saves"][0]["time"], "step": 10}]
+    assert set(what) <= set(report["skipped"])

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import datetime
+import math
+from decimal import Decimal
+from fractions import Fraction
 
 import pytest
 
 from ft_checkpoint import CheckpointConfig, CheckpointManager
+from ft_checkpoint.config import ENV_CONFIG_FILE, ENV_PREFIX, FIELDS, parse_duration
 from ft_checkpoint.errors import ConfigError
+from ft_checkpoint.policy import AdaptiveInterval, policy_from_interval
 
 INVALID = [
     ("dirpath", ""), ("dirpath", 5),
@@ -108,3 +113,179 @@ def test_wrong_url_scheme_is_clear():
 def test_min_interval_cannot_exceed_max_interval():
     with pytest.raises(ConfigError, match="min_interval='2h'.*max_interval='1h'"):
         CheckpointConfig(min_interval="2h", max_interval="1h")
+
+
+# -- hostile values: every one is valid, or a ConfigError naming the field ----------------------------
+class Hostile:
+    """An object whose comparisons, hash-independent dunders and repr all raise."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("no eq")
+
+    __hash__ = object.__hash__
+
+
+def deep_list(depth: int = 100_000) -> list:
+    out: list = []
+    for _ in range(depth):
+        out = [out]
+    return out
+
+
+def self_containing() -> list:
+    out: list = []
+    out.append(out)
+    return out
+
+
+NAN, INF = float("nan"), float("inf")
+HOSTILE = {
+    "nan": NAN, "inf": INF, "-inf": -INF, "'nan'": "nan", "'inf'": "inf", "'-inf'": "-inf", "'Infinity'": "Infinity",
+    "10**400": 10**400, "-10**400": -(10**400), "1e308": 1e308, "-1e308": -1e308, "5e-324": 5e-324,
+    "timedelta.max": datetime.timedelta.max, "timedelta.min": datetime.timedelta.min,
+    "timedelta(0)": datetime.timedelta(0), "1 us": datetime.timedelta(microseconds=1),
+    "-0.0": -0.0, "0": 0, "-1": -1, "1.5": 1.5, "True": True, "False": False, "None": None,
+    "''": "", "' '": " ", "NUL": "\x00", "'30s' + NUL": "30s\x00", "1 MB string": "x" * 10**6,
+    "5000 digits": "9" * 5000, "5000 digits s": "9" * 5000 + "s", "superscript 2": "\u00b2", "arabic 12": "\u0661\u0662",
+    "deep list": deep_list(), "self-containing list": self_containing(), "[1, 2]": [1, 2], "[]": [], "()": (),
+    "{}": {}, "{'a': 1}": {"a": 1}, "{1: 2}": {1: 2}, "{(1, 2): 3}": {(1, 2): 3}, "object()": object(),
+    "Hostile()": Hostile(), "b'30s'": b"30s", "bytearray": bytearray(b"1"), "1+2j": complex(1, 2),
+    "Decimal nan": Decimal("nan"), "Decimal 1e400": Decimal("1e400"), "Fraction 1/3": Fraction(1, 3),
+    "set()": set(), "['SIGTERM'] * 10**5": ["SIGTERM"] * 10**5, "[[['SIGTERM']]]": [[["SIGTERM"]]],
+    "'SIGKILL'": "SIGKILL", "10**400 signal": [10**400], "['SIG' * 10**5]": ["SIG" * 10**5],
+}
+NON_FINITE_FIELDS = ["interval", "mtbf", "gpu_failure_rate", "min_interval", "max_interval", "end_time_margin",
+                     "progress_interval"]
+
+
+def usable(cfg: CheckpointConfig) -> None:
+    """A valid config must also work downstream: a policy that saves at a finite interval, finite durations."""
+    policy = policy_from_interval(cfg.interval, world_size=1024, mtbf=cfg.mtbf, gpu_failure_rate=cfg.gpu_failure_rate,
+                                  min_interval=cfg.min_interval, max_interval=cfg.max_interval)
+    adaptive = next((p for p in policy.policies if isinstance(p, AdaptiveInterval)), None)
+    if adaptive is not None:
+        assert math.isfinite(adaptive.seconds) and adaptive.seconds > 0, adaptive.last_decision
+    for name in ("progress_interval", "end_time_margin"):
+        assert math.isfinite(parse_duration(getattr(cfg, name)))
+
+
+def outcome(field: str, build) -> str | None:
+    """None if ``build()`` gave a usable config or a ConfigError naming ``field``; else what went wrong."""
+    try:
+        cfg = build()
+    except ConfigError as e:
+        return None if field in str(e) or ENV_CONFIG_FILE in str(e) else f"ConfigError not naming {field}: {e}"
+    except Exception as e:  # noqa: BLE001 - the point: nothing but ConfigError
+        return f"{type(e).__name__}: {str(e)[:200]}"
+    try:
+        usable(cfg)
+    except Exception as e:  # noqa: BLE001
+        return f"accepted, then {type(e).__name__}: {str(e)[:200]}"
+    return None
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_every_hostile_value_is_valid_or_a_config_error_naming_the_field(field):
+    bad = {label: why for label, value in HOSTILE.items()
+           if (why := outcome(field, lambda value=value: CheckpointConfig(**{field: value})))}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("field", NON_FINITE_FIELDS)
+@pytest.mark.parametrize("value", [NAN, INF, -INF, "nan", "inf", "-inf", "Infinity", 10**400, "9" * 400])
+def test_nan_and_inf_are_a_config_error_naming_the_field(field, value, monkeypatch):
+    with pytest.raises(ConfigError, match=f"^{field}=.*is invalid"):
+        CheckpointConfig(**{field: value})
+    monkeypatch.setenv(ENV_PREFIX + field.upper(), str(value))
+    with pytest.raises(ConfigError, match=f"^{field}=.*is invalid"):
+        CheckpointConfig.from_env()
+
+
+def test_gpu_failure_rate_nan_or_mtbf_inf_no_longer_mean_never_saving():
+    for bad in ({"gpu_failure_rate": NAN}, {"mtbf": INF}, {"mtbf": datetime.timedelta.max},
+                {"gpu_failure_rate": 1e-300}):
+        with pytest.raises(ConfigError, match=f"^{next(iter(bad))}="):
+            CheckpointConfig(**bad)
+    assert CheckpointConfig(gpu_failure_rate="5e-9").gpu_failure_rate == 5e-9  # as YAML gives it: a string
+
+
+ENV_TEXTS = ["nan", "inf", "-inf", "1e400", "9" * 5000, "", " ", "\t", "x" * 100_000, "[" * 100_000, "{}", "[]",
+             '{"1": 2}', '{"a": ' + "1" * 5000 + "}", "null", "true", "-0", "0x10", "1_000", "\u0661\u0662", "\u00b2",
+             "30s", "1e-9", "-5", "none", "SIGKILL", "SIGTERM,,", "9" * 20]
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_every_hostile_env_value_is_valid_or_a_config_error_naming_the_field(field, monkeypatch):
+    bad = {}
+    for text in ENV_TEXTS:
+        monkeypatch.setenv(ENV_PREFIX + field.upper(), text)
+        if why := outcome(field, CheckpointConfig.from_env):
+            bad[text[:20]] = why
+    assert not bad, bad
+
+
+YAML_VALUES = [".nan", ".inf", "-.inf", "1.0e+400", "1e400", "[" * 10_000 + "]" * 10_000, "{a: 1}", "{1: 2}",
+               "!!binary aGVsbG8=", "2001-12-14", "~", "yes", "0x10", "1_000", "12:30", "&a [*a]",
+               "!!python/object/apply:os.system ['true']", "'" + "x" * 100_000 + "'", "[SIGTERM, [SIGUSR1]]"]
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_every_hostile_yaml_value_is_valid_or_a_config_error(field, tmp_path, monkeypatch):
+    path = tmp_path / "ft.yaml"
+    monkeypatch.setenv(ENV_CONFIG_FILE, str(path))
+    bad = {}
+    for text in YAML_VALUES:
+        path.write_text(f"{field}: {text}\n")
+        if why := outcome(field, CheckpointConfig.from_env):
+            bad[text[:20]] = why
+    assert not bad, bad
+
+
+BILLION_LAUGHS = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]\n" for i in range(8))
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("- dirpath: /x\n", "expected a mapping.*got list"),
+    ("just a string\n", "expected a mapping.*got str"),
+    ("1: 2\n", "1 is not a field name"),
+    ("~: 2\n", "None is not a field name"),
+    ("[a, b]: 1\n", "not valid YAML"),
+    ("keep_last: 3\n" + "# padding\n" * 200_000, "larger than"),
+    ("[" * 100_000, "not valid YAML|nested too deeply"),
+    (BILLION_LAUGHS + "preemption_signals: *i\n", "unknown checkpoint config key"),
+    ("preemption_signals: [[[SIGTERM]]]\n", "preemption_signals="),
+])
+def test_a_hostile_yaml_file_is_a_config_error(text, expected, tmp_path, monkeypatch):
+    path = tmp_path / "ft.yaml"
+    path.write_text(text)
+    monkeypatch.setenv(ENV_CONFIG_FILE, str(path))
+    with pytest.raises(ConfigError, match=expected):
+        CheckpointConfig.from_env()
+
+
+def test_a_yaml_file_of_bad_bytes_or_a_directory_is_a_config_error(tmp_path, monkeypatch):
+    path = tmp_path / "ft.yaml"
+    path.write_bytes(b"keep_last: \xff\xfe\n")
+    monkeypatch.setenv(ENV_CONFIG_FILE, str(path))
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        CheckpointConfig.from_env()
+    monkeypatch.setenv(ENV_CONFIG_FILE, str(tmp_path))
+    with pytest.raises(ConfigError, match="cannot read the file"):
+        CheckpointConfig.from_env()
+
+
+@pytest.mark.parametrize("options", [{1: "x"}, {("a",): 1}, {None: 1}])
+def test_storage_options_need_string_keys(options):
+    with pytest.raises(ConfigError, match="^storage_options=.*string keys"):
+        CheckpointConfig(storage_options=options)
+
+
+def test_storage_options_may_hold_objects_such_as_credentials():
+    credentials = object()  # gcsfs takes a google.auth Credentials object as token
+    assert CheckpointConfig(storage_options={"token": credentials}).storage_options["token"] is credentials

@@ -8,12 +8,16 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
+from contextlib import contextmanager
 
 import pytest
 
 from ft_checkpoint import CheckpointManager
+from ft_checkpoint import lease as lease_module
 from ft_checkpoint.errors import LeaseError
-from ft_checkpoint.lease import LEASE
+from ft_checkpoint.lease import LEASE, Lease
+from ft_checkpoint.storage import Storage
 from tests.helpers.toy import make
 
 HOLD = """
@@ -24,6 +28,21 @@ m = CheckpointManager({url!r}, interval=1)
 print("HOLDING", flush=True)
 time.sleep(600)
 """
+@contextmanager
+def env(values: dict[str, str]):
+    """Set environment variables for the duration of the block."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -49,19 +68,22 @@ def test_second_job_refuses_while_first_is_alive_then_takes_over_after_a_crash(t
     assert not os.path.exists(os.path.join(url, LEASE)), "released at close"
 
 
-def test_force_takeover_and_same_job_restart(tmp_path):
+def test_force_takeover_and_a_launcher_restart_of_the_same_job(tmp_path):
     url = str(tmp_path / "ckpt")
+    job = {"TORCHELASTIC_RUN_ID": "job-43", "TORCHELASTIC_RESTART_COUNT": "0"}
     holder = start_holder(url, TORCHELASTIC_RUN_ID="job-42")
     try:
         with CheckpointManager(url, force_takeover=True):
             pass
-        holder2 = start_holder(url, TORCHELASTIC_RUN_ID="job-43")
+        holder2 = start_holder(url, **job)
         try:
-            os.environ["TORCHELASTIC_RUN_ID"] = "job-43"  # a restart of the same torchrun job
-            with CheckpointManager(url):
-                pass
+            with pytest.raises(LeaseError, match="another job is writing"):  # same id, same start: not a restart
+                with env(job):
+                    CheckpointManager(url)
+            with env({**job, "TORCHELASTIC_RESTART_COUNT": "1"}):  # torchrun restarted the worker group
+                with CheckpointManager(url):
+                    pass
         finally:
-            del os.environ["TORCHELASTIC_RUN_ID"]
             holder2.send_signal(signal.SIGKILL)
             holder2.wait()
     finally:
@@ -80,3 +102,254 @@ def test_stale_heartbeat_from_another_host_is_taken_over(tmp_path):
         json.dump({"attempt": "old", "host": "other-host", "pid": 1, "job": None, "heartbeat": time.time()}, f)
     with pytest.raises(LeaseError, match="host other-host pid 1"):
         CheckpointManager(url)
+
+
+# -- fencing: a job taken over after a stale heartbeat stops writing ---------------------------------
+def wait_until(condition, what: str, deadline: float = 60.0) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` after ``deadline`` seconds (a hang, not a timing)."""
+    end = time.monotonic() + deadline
+    while not condition():
+        assert time.monotonic() < end, f"never happened: {what}"
+        time.sleep(0.01)
+
+
+def holder_of(storage: Storage) -> dict:
+    return json.loads(storage.read_bytes(LEASE))
+
+
+def wait_for_a_heartbeat(storage: Storage) -> None:
+    """Return right after the owner's heartbeat thread rewrote the lease: it now waits a full ``refresh``."""
+    first = holder_of(storage)["heartbeat"]
+    wait_until(lambda: holder_of(storage)["heartbeat"] != first, "a heartbeat")
+
+
+def test_old_owner_never_overwrites_the_lease_of_the_job_that_took_it_over():
+    """Two Lease objects in one process on memory:// (whose writes are atomic and instant)."""
+    storage = Storage(f"memory://fencing-{uuid.uuid4().hex[:8]}")
+    old = Lease(storage, attempt="old", refresh=0.5)
+    old.owner["host"] = "node-a"  # another host: only a stale heartbeat lets a new job in
+    old.acquire()
+    # The new job sees the old heartbeat as stale (timeout 0: any age is too old), as it would after the
+    # old job hung for the real timeout. It takes over between two of the old job's heartbeats.
+    new = Lease(storage, attempt="new", timeout=0.0)
+    wait_for_a_heartbeat(storage)
+    new.acquire()
+    try:
+        wait_until(lambda: old.lost, "the old owner notices it lost the lease")
+        old._thread.join(timeout=60)
+        assert not old._thread.is_alive(), "the old owner's heartbeat stops"
+        assert holder_of(storage)["attempt"] == "new", "the old owner's heartbeat overwrote the new owner"
+        with pytest.raises(LeaseError, match=r"lost the checkpoint lease.*now holds host .* \(attempt new\).*HINT"):
+            old.check_owned()
+        new.check_owned()
+        assert not new.lost
+        old.release()
+        assert holder_of(storage)["attempt"] == "new", "a job that lost its lease does not remove the new one"
+    finally:
+        new.release()
+    assert not storage.exists(LEASE)
+
+
+HUNG_OWNER = """
+import json, sys, time
+sys.path.insert(0, {root!r})
+from ft_checkpoint.errors import LeaseError
+from ft_checkpoint.lease import Lease
+from ft_checkpoint.storage import Storage
+lease = Lease(Storage({url!r}, json.loads({options!r})), attempt="hung", refresh=1.0)
+lease.acquire()
+print("HOLDING", flush=True)
+deadline = time.monotonic() + 120
+while not lease.lost and time.monotonic() < deadline:
+    time.sleep(0.01)
+try:
+    lease.check_owned()
+    print("STILL OWNER", flush=True)
+except LeaseError as e:
+    print("LOST", e, flush=True)
+lease.release()
+"""
+
+
+@pytest.mark.parametrize("kind", ["local", "s3", "gcs"])
+def test_a_hung_job_taken_over_stops_writing_when_it_wakes(kind, request, tmp_path):
+    """A real process holds the lease, hangs (SIGSTOP) between two heartbeats, is taken over, and wakes."""
+    from tests.conftest import _make_backend
+
+    backend = _make_backend(kind, request, tmp_path)
+    script = HUNG_OWNER.format(root=ROOT, url=backend.url, options=json.dumps(backend.storage_options))
+    env = {**os.environ, **(backend.server.env() if backend.server else {})}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "HOLDING"
+        storage = Storage(backend.url, backend.storage_options)
+        wait_for_a_heartbeat(storage)
+        proc.send_signal(signal.SIGSTOP)  # hung right after a heartbeat: its lease goes stale
+        new = Lease(storage, attempt="new", timeout=0.0)
+        new.acquire()  # its process is alive (stopped), on this host: only staleness lets it in
+        proc.send_signal(signal.SIGCONT)
+        out, _ = proc.communicate(timeout=120)
+        assert out.startswith("LOST this job lost the checkpoint lease"), out
+        assert "(attempt new)" in out and "HINT" in out
+        assert holder_of(storage)["attempt"] == "new", "the old owner's heartbeat overwrote the new owner"
+        new.check_owned()
+        new.release()
+        assert not storage.exists(LEASE)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_s3_heartbeat_is_a_write_conditional_on_its_own_last_write(request, tmp_path):
+    """On S3 the check and the write are one request: a takeover landing between them makes it fail."""
+    from tests.conftest import _make_backend
+
+    backend = _make_backend("s3", request, tmp_path)
+    storage = Storage(backend.url, backend.storage_options)
+    old = Lease(storage, attempt="old", refresh=3600)
+    old.acquire()
+    assert old.fencing == "etag"
+    ours = old._etag
+    new = Lease(Storage(backend.url, backend.storage_options), attempt="new")
+    new._put()  # the new owner's write lands right after the old owner looked
+    with pytest.raises(lease_module._Changed):
+        old._put(if_match=ours)
+    assert holder_of(storage)["attempt"] == "new"
+    assert old._refresh() is False and old.lost
+    assert holder_of(storage)["attempt"] == "new", "the old owner's heartbeat overwrote the new owner"
+
+
+# -- takeover rules -------------------------------------------------------------------------------
+def other_host_lease(url: str, attempt: str = "old", **variables: str) -> Lease:
+    """A live job on another host holding the lease of ``url`` (a fresh heartbeat), started with ``variables``."""
+    with env(variables):
+        lease = Lease(Storage(url), attempt=attempt)
+    lease.owner["host"] = "node-a"
+    lease.acquire()
+    return lease
+
+
+@pytest.mark.parametrize("placeholder", ["none", "", "None", "  null "])
+def test_a_placeholder_job_id_is_no_job_id(placeholder):
+    url = f"memory://placeholder-{uuid.uuid4().hex[:8]}"
+    holder = other_host_lease(url, TORCHELASTIC_RUN_ID=placeholder)
+    try:
+        assert holder.owner["job"] is None or not holder.owner["job"].startswith("TORCHELASTIC_RUN_ID")
+        with env({"TORCHELASTIC_RUN_ID": placeholder, "TORCHELASTIC_RESTART_COUNT": "1"}):
+            with pytest.raises(LeaseError, match="another job is writing checkpoints.*HINT"):
+                Lease(Storage(url), attempt="new").acquire()
+    finally:
+        holder.release()
+
+
+@pytest.mark.parametrize("before,after,taken", [
+    ({}, {}, False),  # an equal id alone: both alive
+    ({"TORCHELASTIC_RESTART_COUNT": "0"}, {"TORCHELASTIC_RESTART_COUNT": "0"}, False),
+    ({"TORCHELASTIC_RESTART_COUNT": "2"}, {"TORCHELASTIC_RESTART_COUNT": "1"}, False),
+    ({"TORCHELASTIC_RESTART_COUNT": "0"}, {"TORCHELASTIC_RESTART_COUNT": "1"}, True),  # torchrun restart
+    ({"SLURM_RESTART_COUNT": "0", "TORCHELASTIC_RESTART_COUNT": "3"},
+     {"SLURM_RESTART_COUNT": "1", "TORCHELASTIC_RESTART_COUNT": "0"}, True),  # Slurm requeue of torchrun
+    ({}, {"TORCHELASTIC_RESTART_COUNT": "1"}, False),  # nothing recorded to compare with
+])
+def test_the_same_job_takes_over_a_live_lease_only_as_a_later_launcher_restart(before, after, taken):
+    url = f"memory://restart-{uuid.uuid4().hex[:8]}"
+    job = {"TORCHELASTIC_RUN_ID": "job-7", "SLURM_JOB_ID": "", "FT_CHECKPOINT_RUN_ID": ""}
+    holder = other_host_lease(url, **job, **before)
+    try:
+        assert holder.owner["job"] == "TORCHELASTIC_RUN_ID=job-7"
+        with env({**job, "SLURM_RESTART_COUNT": "", "TORCHELASTIC_RESTART_COUNT": "", **after}):
+            new = Lease(Storage(url), attempt="new")
+        if taken:
+            new.acquire()
+            new.release()
+        else:
+            with pytest.raises(LeaseError, match="host node-a .*job TORCHELASTIC_RUN_ID=job-7.*HINT"):
+                new.acquire()
+    finally:
+        holder.release()
+
+
+# -- garbage lease.json ---------------------------------------------------------------------------
+def lease_bytes(**changes) -> bytes:
+    record = {"attempt": "old", "host": "node-a", "pid": 1, "job": None, "heartbeat": time.time(), **changes}
+    return json.dumps(record).encode()
+
+
+GARBAGE = {
+    "not json": b"owner: node-a",
+    "empty": b"",
+    "a list": b'[{"attempt": "old"}]',
+    "null": b"null",
+    "heartbeat noon": lease_bytes(heartbeat="noon"),
+    "heartbeat NaN": lease_bytes(heartbeat=float("nan")),
+    "heartbeat Infinity": lease_bytes(heartbeat=float("inf")),
+    "heartbeat 1e400": lease_bytes().replace(b'"heartbeat": ', b'"heartbeat": 1e400, "x": '),
+    "heartbeat in the future": lease_bytes(heartbeat=time.time() + 10 * 86400),
+    "heartbeat a bool": lease_bytes(heartbeat=True),
+    "pid x": lease_bytes(pid="x"),
+    "pid 2.0": lease_bytes(pid=2.0),
+    "pid huge": lease_bytes(pid=10**30),
+    "pid negative": lease_bytes(pid=-1),
+    "pid of 5000 digits": lease_bytes().replace(b'"pid": 1', b'"pid": ' + b"9" * 5000),
+    "attempt missing": json.dumps({"host": "node-a", "pid": 1, "heartbeat": time.time()}).encode(),
+    "host a list": lease_bytes(host=["node-a"]),
+    "restarts garbage": lease_bytes(restarts=[1]),
+    "nested deep": b"[" * 100_000,
+    "not utf-8": b'{"attempt": "\xff\xfe"}',
+    "huge": b'{"attempt": "' + b"x" * (2 << 20) + b'"}',
+}
+
+
+@pytest.mark.parametrize("name", sorted(GARBAGE))
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_a_garbage_lease_warns_blocks_while_recent_and_yields_to_force(name, kind, tmp_path, caplog):
+    url = str(tmp_path / "ckpt") if kind == "local" else f"memory://garbage-{uuid.uuid4().hex[:8]}"
+    storage = Storage(url)
+    storage.ensure_root()
+    storage.write_bytes(LEASE, GARBAGE[name])
+    new = Lease(storage, attempt="new")
+    with pytest.raises(LeaseError, match=r"lease.json is unreadable .*HINT: .*force_takeover=True") as e:
+        new.acquire()
+    assert storage.url_of(LEASE) in str(e.value)
+    assert any(storage.url_of(LEASE) in r.getMessage() and "unreadable" in r.getMessage()
+               for r in caplog.records if r.levelname == "WARNING")
+    new.acquire(force=True)
+    try:
+        assert holder_of(storage)["attempt"] == "new"
+        new.check_owned()
+    finally:
+        new.release()
+
+
+@pytest.mark.parametrize("name", ["not json", "heartbeat NaN", "heartbeat in the future", "pid x"])
+def test_a_garbage_lease_nobody_rewrites_is_taken_over_once_older_than_the_timeout(name, tmp_path):
+    url = str(tmp_path / "ckpt")
+    storage = Storage(url)
+    storage.ensure_root()
+    storage.write_bytes(LEASE, GARBAGE[name])
+    an_hour_ago = time.time() - 3600
+    os.utime(os.path.join(url, LEASE), (an_hour_ago, an_hour_ago))
+    new = Lease(storage, attempt="new")
+    new.acquire()
+    assert holder_of(storage)["attempt"] == "new"
+    new.release()
+
+
+def test_a_heartbeat_slightly_ahead_is_clock_skew_not_garbage(tmp_path):
+    storage = Storage(str(tmp_path / "ckpt"))
+    storage.ensure_root()
+    storage.write_bytes(LEASE, lease_bytes(heartbeat=time.time() + 30))  # within the 120 s timeout
+    with pytest.raises(LeaseError, match="another job is writing checkpoints.*host node-a pid 1"):
+        Lease(storage, attempt="new").acquire()
+
+
+def test_manager_with_a_garbage_lease_refuses_clearly_then_takes_it_by_force(tmp_path):
+    url = str(tmp_path / "ckpt")
+    os.makedirs(url)
+    with open(os.path.join(url, LEASE), "wb") as f:
+        f.write(GARBAGE["pid x"])
+    with pytest.raises(LeaseError, match="pid='x': expected an integer.*HINT"):
+        CheckpointManager(url)
+    with CheckpointManager(url, force_takeover=True, interval=1) as ckpt:
+        ckpt.save(1, make(), block=True)

@@ -1,0 +1,118 @@
+"""The real CLI answers every bad argument or file with one line on stderr and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from ft_checkpoint import CheckpointManager
+from tests.cli.conftest import cli
+from tests.helpers.toy import make
+
+HUGE = "9" * 400  # a float of it is inf
+
+BAD_ARGUMENTS = [
+    ("plan", "--mtbf", "0", "--cost", "5m"),
+    ("plan", "--mtbf", "6h", "--cost", "-1"),
+    ("plan", "--mtbf", "6h", "--cost", "0"),
+    ("plan", "--mtbf", "nan", "--cost", "5m"),
+    ("plan", "--mtbf", "inf", "--cost", "5m"),
+    ("plan", "--mtbf", "1e400", "--cost", "5m"),
+    ("plan", "--mtbf", HUGE, "--cost", "5m"),
+    ("plan", "--mtbf", f"{HUGE}w", "--cost", "5m"),
+    ("plan", "--mtbf", "6h", "--cost", "5m", "--restart", "nan"),
+    ("plan", "--mtbf", "1s", "--cost", "1s", "--restart", "36500d"),  # exp(restart / mtbf) overflows
+    ("plan", "--mtbf", "6h"),
+    ("simulate", "--seeds", "-1"),
+    ("simulate", "--seeds", "0"),
+    ("simulate", "--seeds", "1.5"),
+    ("simulate", "--early-seeds", "0"),
+    ("simulate", "--mtbf", "inf"),
+    ("simulate", "--mtbf", ","),
+    ("simulate", "--cost", "0"),
+    ("simulate", "--weibull", "nan"),
+    ("simulate", "--weibull", "-1"),
+    ("simulate", "--work", "0"),
+    ("simulate", "--work", "inf"),
+    ("simulate", "--world-size", "0"),
+    ("inspect", "{dir}", "--step", "10000000000000"),
+    ("inspect", "{dir}", "--step", "1e3"),
+    ("verify", "{dir}", "--step", "-3"),
+    ("verify", "{dir}", "--step", "\u00b2"),  # a digit to str.isdigit, not to int()
+    ("gc", "{dir}", "--keep", "0"),
+    ("gc", "{dir}", "--keep", "10000000000000"),
+    ("gc", "{dir}", "--keep", "3", "--keep-every", "x"),
+    ("nosuch",),
+]
+
+BAD_ENVIRONMENT = [
+    {"FT_CHECKPOINT_STORAGE_OPTIONS": "[" * 100_000},
+    {"FT_CHECKPOINT_STORAGE_OPTIONS": "[1, 2]"},
+    {"FT_CHECKPOINT_STORAGE_OPTIONS": '{"endpoint_url": ' + "7" * 5000 + "}"},
+    {"FT_CHECKPOINT_RETRIES": "nan"},
+    {"FT_CHECKPOINT_RETRIES": "1" * 5000},
+    {"FT_CHECKPOINT_CONFIG": "{yaml_list}"},
+    {"FT_CHECKPOINT_CONFIG": "{dir}"},  # a directory, not a file
+]
+
+
+def assert_one_line_error(proc, what) -> None:
+    assert proc.returncode == 2, (what, proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr, (what, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ft-checkpoint") and "error: " in lines[0], (what, proc.stderr)
+
+
+@pytest.mark.parametrize("args", BAD_ARGUMENTS, ids=lambda a: " ".join(a)[:60])
+def test_a_bad_argument_is_one_line_and_exit_code_2(args, tmp_path):
+    proc = cli(*[a.replace("{dir}", str(tmp_path)) for a in args])
+    assert_one_line_error(proc, args)
+
+
+@pytest.mark.parametrize("variables", BAD_ENVIRONMENT, ids=lambda v: " ".join(f"{k}={v[k][:20]}" for k in v))
+def test_a_bad_configuration_is_one_line_and_exit_code_2(variables, tmp_path):
+    yaml_list = tmp_path / "list.yaml"
+    yaml_list.write_text("- dirpath: /x\n")
+    env = {k: v.replace("{yaml_list}", str(yaml_list)).replace("{dir}", str(tmp_path)) for k, v in variables.items()}
+    proc = cli("ls", tmp_path, env=env)
+    assert_one_line_error(proc, variables)
+    assert next(iter(variables)).removeprefix("FT_CHECKPOINT_").lower() in proc.stderr.lower()
+
+
+@pytest.fixture(scope="module")
+def wrong_types(tmp_path_factory) -> str:
+    """A directory with steps 1 and 2; step 2's manifest has ``"step": 2.0``, sizes as strings, ``"time": "noon"``."""
+    url = str(tmp_path_factory.mktemp("types") / "run")
+    with CheckpointManager(url, interval=1, keep_last=5) as ckpt:
+        state = make()
+        ckpt.save(1, state, block=True)
+        ckpt.save(2, state, block=True)
+    path = os.path.join(url, "step_000000000002", "manifest.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    manifest.update(step=2.0, time="noon")
+    for entry in manifest["files"].values():
+        entry["size"] = str(entry["size"])
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+    return url
+
+
+def test_ls_reports_a_manifest_of_wrong_types_as_corrupt(wrong_types):
+    proc = cli("ls", wrong_types, "--json")
+    assert proc.returncode in (0, 1) and "Traceback" not in proc.stderr, proc.stderr
+    steps = {s["step"]: s["status"] for s in json.loads(proc.stdout)["steps"]}
+    assert steps == {1: "committed", 2: "corrupt"}
+
+
+@pytest.mark.parametrize("args", [("verify", "--step", "2"), ("verify", "--all"), ("inspect", "--step", "2"),
+                                  ("gc", "--keep", "1", "--dry-run")])
+def test_other_commands_on_a_manifest_of_wrong_types_never_print_a_traceback(wrong_types, args):
+    proc = cli(args[0], wrong_types, *args[1:])
+    assert "Traceback" not in proc.stderr, proc.stderr
+    if proc.returncode == 2:
+        assert_one_line_error(proc, args)
+    else:
+        assert proc.returncode in (0, 1), (proc.returncode, proc.stderr)
