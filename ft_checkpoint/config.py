@@ -156,6 +156,18 @@ class CheckpointConfig:
     """Exit code after a preemption's final save (``ft_checkpoint.Preempted`` is a ``SystemExit``).
     Non-zero for launchers that only restart failed workers (Kubernetes ``restartPolicy: ExitCode``)."""
 
+    writer: str = "thread"
+    """Who writes the shard files in the background: ``"thread"`` (in the training process; the writes and
+    checksums release the GIL) or ``"process"`` (a child process fed from shared-memory staging buffers,
+    where ``writer_priority`` applies to all of its work). See the README's benchmarks for the choice."""
+
+    writer_priority: int = 0
+    """The writer's nice value, 0 (as the training) to 19 (only idle CPU): lower priority for the
+    background work (the thread's or the process's; read back from the OS by the tests)."""
+
+    writers: int = 1
+    """Shard files (and parallel writers) per rank: more than one helps a large state on fast storage."""
+
     def __post_init__(self) -> None:
         for name, validate in _VALIDATORS.items():
             object.__setattr__(self, name, _validated(name, validate, getattr(self, name)))
@@ -243,6 +255,9 @@ def _bool(*, optional: bool = False) -> Callable[[str, Any], Any]:
 def _check_dirpath(field: str, value: Any) -> str | None:
     if value is not None and (not isinstance(value, str) or not value.strip() or "\x00" in value or len(value) > 4096):
         _bad(field, value, "a non-empty local path or fsspec URL such as 'gs://bucket/run' (at most 4096 characters)")
+    if value is not None and set("*?[]") & set(value):
+        _bad(field, value, "a path without *, ?, [ or ], which fsspec expands as patterns on some stores (a delete "
+                           "in 'runs/sweep[1]' would also match 'runs/sweep1'); e.g. 'runs/sweep-1'")
     return value
 
 
@@ -336,6 +351,9 @@ _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "requeue": _bool(optional=True),
     "end_time_margin": _duration(),
     "preemption_exit_code": _int(0, 255),
+    "writer": _check_choice("thread", "process"),
+    "writer_priority": _int(0, 19),
+    "writers": _int(1, 64),
 }
 """Each field's validator: ``(name, value) -> value`` (normalized), or a ConfigError naming the field."""
 
@@ -349,7 +367,7 @@ def _parse_env_value(field: str, text: str) -> Any:
         if word in _TRUE | _FALSE:
             return word in _TRUE
         _bad(field, text, "one of 1/0, true/false, yes/no, on/off")
-    if field in ("keep_last", "retries", "keep_every_n_steps", "preemption_exit_code"):
+    if field in ("keep_last", "retries", "keep_every_n_steps", "preemption_exit_code", "writer_priority", "writers"):
         digits = word.removeprefix("-").removeprefix("+")
         if not (digits.isascii() and digits.isdigit() and len(digits) <= 20):
             _bad(field, text, "an integer")

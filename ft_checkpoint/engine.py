@@ -1,16 +1,19 @@
 """The engine: stage, write in the background, commit with a manifest; and load a checked step.
 
-A save blocks the caller only while the state is staged: tensors are copied into CPU buffers that are
-allocated once and reused by every later save (pinned, with non-blocking copies, for CUDA tensors),
-by DCP's own ``DefaultStager``. The write then runs on one background thread:
+A save blocks the caller only while the state is staged: tensors are copied into host buffers that are
+allocated once and reused by every later save (pinned, with non-blocking copies, for CUDA tensors; see
+``staging``), and the non-tensor state is serialized. The write then runs on one background thread
+(the bytes written by it, or by a writer process fed from shared staging memory: ``writer_process``):
 
-1. rank 0 clears any leftover directory of this step; every rank writes its rank file (the non-tensor
+1. rank 0 checks that the job still holds the directory's lease and clears any leftover directory of
+   this step; every rank writes its rank file (the non-tensor
    state and its per-rank state) and shares a fingerprint of each tensor: a tensor of the shared state
    that differs across ranks is an error naming it (it would come back as one rank's value everywhere);
 2. DCP plans the tensor chunks (a replicated tensor written once, the work spread over ranks) and
    :class:`~ft_checkpoint.shards.ShardWriter` writes their raw bytes, CRC-32C computed as they are
    written; the coordinator writes ``metadata.json``;
-3. rank 0 writes ``manifest.json`` last, in one object: the commit. No file is read back.
+3. rank 0 checks that the job still holds the directory's lease and writes ``manifest.json`` last, in
+   one object: the commit; every rank learns whether it succeeded. No file is read back.
 
 One save is in flight at a time: a new save first waits for the previous one (the wait is part of its
 measured stall). A background error is kept and re-raised at the next ``save``, ``wait`` or ``close``.
@@ -45,19 +48,22 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ft_checkpoint import checksum, layout, legacy, shards
 from ft_checkpoint.dist import Groups
 from ft_checkpoint.errors import (
     CheckpointCorruptError,
     ConfigError,
+    LeaseError,
     SaveError,
     StateMismatchError,
     StorageError,
 )
+from ft_checkpoint.shards import ThreadSink, set_thread_priority
+from ft_checkpoint.staging import Stager
 from ft_checkpoint.state import merge_tree, split_tree
 from ft_checkpoint.storage import Storage, is_transient
+from ft_checkpoint.writer_process import ProcessSink, WriterProcess
 
 log = logging.getLogger(__name__)
 # DCP warns on every single-process save and load; single process is a normal case here.
@@ -88,8 +94,9 @@ class SaveListener(Protocol):
     def on_write_start(self, stats: SaveStats) -> None:
         """Before the write of ``stats.step``."""
 
-    def before_commit(self, stats: SaveStats) -> None:
-        """Rank 0, right before the manifest is written; raising here leaves the step uncommitted."""
+    def check_writable(self, stats: SaveStats) -> None:
+        """Rank 0, before the step's directory is cleared and again right before the manifest is written;
+        raising (e.g. LeaseError: another job took the directory over) leaves the step uncommitted."""
 
     def on_commit(self, stats: SaveStats) -> None:
         """After the commit (every rank)."""
@@ -163,17 +170,22 @@ class CheckpointEngine:
     Args:
         storage: The checkpoint directory.
         groups: Rank, world size and process groups (``Groups()`` for a single process).
-        writers: Files (and writer threads) per rank for the tensor data.
+        writers: Files (and parallel writers) per rank for the tensor data.
+        writer: ``"thread"`` (write in this process) or ``"process"`` (writer processes).
+        priority: The writers' nice value (0 to 19).
     """
 
-    def __init__(self, storage: Storage, groups: Groups, *, writers: int = 1) -> None:
+    def __init__(self, storage: Storage, groups: Groups, *, writers: int = 1, writer: str = "thread",
+                 priority: int = 0) -> None:
         self.storage = storage
         self.groups = groups
         self.writers = writers
+        self.writer = writer
+        self.priority = priority
         self.retries = storage.retries
-        cuda = torch.cuda.is_available()
-        self._stager = DefaultStager(StagingOptions(
-            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda))
+        self._stager = Stager(shared=writer == "process")
+        self._processes: list[WriterProcess] = []
+        self._processes_arena: Any = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-checkpoint-writer")
         self._future: Future[SaveStats] | None = None
         self.phase_hook: Callable[[str, int], None] | None = None
@@ -199,7 +211,8 @@ class CheckpointEngine:
             listener.on_previous_error(e)
         waited = time.perf_counter() - t0
         self.phase("staging", step)
-        staged = self._stager.stage({"tree": tree, "per_rank": per_rank or {}})
+        tensors, skeleton = split_tree(tree)
+        staged = {"tensors": self._stager.stage(tensors), "rank_file": _serialize(skeleton, per_rank or {})}
         stats = SaveStats(step=step, stall=time.perf_counter() - t0, waited=waited)
         self.phase("staged", step)
         self._future = self._executor.submit(self._write_job(stats, staged, manifest_fields or {}, listener))
@@ -217,6 +230,7 @@ class CheckpointEngine:
             self._wait_previous()
         finally:
             self._executor.shutdown(wait=True)
+            self._close_processes()
             self._stager.close()
 
     @property
@@ -243,6 +257,8 @@ class CheckpointEngine:
     def _write_job(self, stats: SaveStats, staged: dict[str, Any], fields: dict[str, Any],
                    listener: SaveListener | None) -> Callable[[], SaveStats]:
         def job() -> SaveStats:
+            if self.writer == "thread":
+                set_thread_priority(self.priority)
             start = time.perf_counter()
             if listener is not None:
                 listener.on_write_start(stats)
@@ -276,25 +292,35 @@ class CheckpointEngine:
     def _write_once(self, stats: SaveStats, staged: dict[str, Any], fields: dict[str, Any],
                     listener: SaveListener | None) -> int | None:
         g, step, rel = self.groups, stats.step, layout.step_dir(stats.step)
-        self._agree(step, lambda: layout.delete_step(self.storage, step) if g.rank == 0 else None)
+        self._agree(step, lambda: self._clear(stats, listener) if g.rank == 0 else None)
         self.phase("writing", step)
-        tensors, skeleton = split_tree(staged["tree"])
+        tensors = staged["tensors"]
         prints = {k: fingerprint(t) for k, t in tensors.items() if type(t).__name__ != "DTensor"}
-        shared = self._agree(step, lambda: (self._write_rank_file(rel, skeleton, staged["per_rank"]), prints),
-                             gather=True)
+        shared = self._agree(step, lambda: (self._write_rank_file(rel, staged["rank_file"]), prints), gather=True)
         _check_replicated([p for _, p in shared])
-        writer = shards.ShardWriter(self.storage, rel, rank=g.rank, writers=self.writers)
+        writer = shards.ShardWriter(self.storage, rel, rank=g.rank, writers=self.writers, sinks=self._sinks())
         dcp.save(tensors, storage_writer=writer, process_group=g.writer, no_dist=not g.distributed)
         self.phase("data_written", step)
-        if g.rank != 0:
-            return None
         files = {**writer.files, **{name: entry for (name, entry), _ in shared}}
-        manifest = layout.Manifest(step=step, world_size=g.world_size, files=files, versions=_versions(), **fields)
+        return self._agree(step, lambda: self._commit(stats, files, fields, listener) if g.rank == 0 else None,
+                           gather=True)[0]
+
+    def _clear(self, stats: SaveStats, listener: SaveListener | None) -> None:
+        """Rank 0: delete what an interrupted save of this step left behind."""
         if listener is not None:
-            listener.before_commit(stats)
-        self.phase("committing", step)
-        self.storage.write_bytes(f"{rel}/{layout.MANIFEST}", manifest.to_json())
-        self.phase("committed", step)
+            listener.check_writable(stats)
+        layout.delete_step(self.storage, stats.step)
+
+    def _commit(self, stats: SaveStats, files: dict[str, layout.FileEntry], fields: dict[str, Any],
+                listener: SaveListener | None) -> int:
+        """Rank 0: write the manifest, last, in one object. Every rank learns the outcome (see ``_agree``)."""
+        manifest = layout.Manifest(step=stats.step, world_size=self.groups.world_size, files=files,
+                                   versions=_versions(), **fields)
+        if listener is not None:
+            listener.check_writable(stats)
+        self.phase("committing", stats.step)
+        self.storage.write_bytes(f"{layout.step_dir(stats.step)}/{layout.MANIFEST}", manifest.to_json())
+        self.phase("committed", stats.step)
         return manifest.total_bytes
 
     def _agree(self, step: int, fn: Callable[[], Any], *, gather: bool = False) -> Any:
@@ -302,19 +328,45 @@ class CheckpointEngine:
         in a collective). Returns ``fn``'s result, or every rank's results with ``gather``."""
         try:
             outcome = (True, fn(), False)
+        except LeaseError as e:  # another job writes here now: every rank stops, whatever on_save_error says
+            outcome = (False, f"rank {self.groups.rank}: LeaseError: {e}", "lease")
         except Exception as e:
             outcome = (False, f"rank {self.groups.rank}: {type(e).__name__}: {e}", _transient(e))
         outcomes = self.groups.all_gather(outcome, writer=True)
         failures = [msg for ok, msg, _ in outcomes if not ok]
         if failures:
-            error = _TransientSaveError if any(t for _, _, t in outcomes) else SaveError
-            raise error(f"step {step} not committed: " + "; ".join(failures))
+            kinds = [t for _, _, t in outcomes]
+            message = f"step {step} not committed: " + "; ".join(failures)
+            if "lease" in kinds:
+                raise LeaseError(message)
+            raise (_TransientSaveError if any(kinds) else SaveError)(message)
         return [value for _, value, _ in outcomes] if gather else outcome[1]
 
-    def _write_rank_file(self, rel: str, skeleton: Any, per_rank: dict[str, Any]) -> tuple[str, layout.FileEntry]:
-        buf = io.BytesIO()
-        torch.save({"skeleton": skeleton, "per_rank": per_rank}, buf)
-        data = buf.getvalue()
+    def _sinks(self) -> list[shards.Sink]:
+        """Where the shard files are written: this thread, or the writer processes of the current arena
+        (started, or restarted after a new staging layout or a death, here on the writer thread)."""
+        local = ThreadSink(self.storage, self.priority)
+        arena = self._stager.arena
+        if self.writer != "process" or arena is None or arena.fd is None:
+            return [local]
+        if self._processes_arena is not arena or not all(p.alive for p in self._processes):
+            self._close_processes()
+            self._processes = [WriterProcess(self.storage, arena.fd, arena.nbytes, priority=self.priority)
+                               for _ in range(self.writers)]
+            self._processes_arena = arena
+        return [ProcessSink(p, arena.base, arena.nbytes, local) for p in self._processes]
+
+    def _close_processes(self) -> None:
+        for p in self._processes:
+            p.close()
+        self._processes, self._processes_arena = [], None
+
+    @property
+    def writer_pids(self) -> list[int]:
+        """The writer processes' pids (``writer="process"``, once a save started them)."""
+        return [p.pid for p in self._processes]
+
+    def _write_rank_file(self, rel: str, data: bytes) -> tuple[str, layout.FileEntry]:
         try:
             torch.load(io.BytesIO(data), weights_only=True)
         except Exception as e:
@@ -419,6 +471,13 @@ class CheckpointEngine:
             raise StateMismatchError("the checkpoint's tensors do not fit the state: " + "; ".join(mismatched[:5])
                                      + (f" (and {len(mismatched) - 5} more)" if len(mismatched) > 5 else ""))
         return targets
+
+
+def _serialize(skeleton: Any, per_rank: dict[str, Any]) -> bytes:
+    """The rank file: the non-tensor state and this rank's own, as they are now (``torch.save``)."""
+    buf = io.BytesIO()
+    torch.save({"skeleton": skeleton, "per_rank": per_rank}, buf)
+    return buf.getvalue()
 
 
 def _check_replicated(prints: list[dict[str, int]]) -> None:

@@ -27,7 +27,7 @@ from ft_checkpoint import layout
 from ft_checkpoint.config import CheckpointConfig, parse_duration
 from ft_checkpoint.dist import Groups
 from ft_checkpoint.engine import CheckpointEngine, OpenedStep, SaveStats
-from ft_checkpoint.errors import ConfigError, Preempted, SaveError, StateMismatchError, StorageError
+from ft_checkpoint.errors import ConfigError, LeaseError, Preempted, SaveError, StateMismatchError, StorageError
 from ft_checkpoint.failures import count_failures
 from ft_checkpoint.journal import Journal, attempt_summaries
 from ft_checkpoint.lease import Lease
@@ -71,8 +71,8 @@ class _SaveEvents:
     def on_write_start(self, stats: SaveStats) -> None:
         self.manager.journal.record("save_started", step=stats.step, stall=stats.stall)
 
-    def before_commit(self, stats: SaveStats) -> None:
-        pass
+    def check_writable(self, stats: SaveStats) -> None:
+        self.manager.lease.check_owned()  # a job that lost the directory to another stops writing there
 
     def on_commit(self, stats: SaveStats) -> None:
         self.manager._after_commit(stats)
@@ -134,7 +134,8 @@ class CheckpointManager:
                                progress_every=parse_duration(c.progress_interval))
         self.lease = Lease(self.storage, attempt=self.journal.attempt)
         self.groups.on_rank0(lambda: self.lease.acquire(force=c.force_takeover))
-        self.engine = CheckpointEngine(self.storage, self.groups)
+        self.engine = CheckpointEngine(self.storage, self.groups, writers=c.writers, writer=c.writer,
+                                       priority=c.writer_priority)
         self.slurm = SlurmJob.detect(query=self.rank == 0)
         """The Slurm job this runs in (None outside Slurm); its requeue flag and end time on rank 0 only."""
         self.watcher = PreemptionWatcher(c.preemption_signals, end_time=self.slurm and self.slurm.end_time,
@@ -191,10 +192,15 @@ class CheckpointManager:
             last_duration=last.duration if last else None, save_in_flight=self.engine.in_flight,
             preempted=notice is not None)
         decision = self.policy.should_save(ctx)
-        if self.groups.distributed:
-            votes = self.groups.all_gather((decision, notice))  # one collective: rank 0's decision, anyone's notice
+        lost = self.rank == 0 and self.lease.lost
+        if self.groups.distributed:  # one collective: rank 0's decision and lease, anyone's notice
+            votes = self.groups.all_gather((decision, notice, lost))
             decision = votes[0][0] if not self.policy.deterministic else decision
-            notice = next((f"{n} on rank {r}" for r, (_, n) in enumerate(votes) if n), None)
+            notice = next((f"{n} on rank {r}" for r, (_, n, _) in enumerate(votes) if n), None)
+            lost = votes[0][2]
+        if lost:
+            raise LeaseError(f"another job took over the checkpoint directory {self.storage.url}; this job stops "
+                             "saving there. HINT: give each job its own dirpath; see the warning about lease.json")
         self._preempt_reason = self._preempt_reason or notice  # the first notice agreed on
         self.preempted = notice is not None
         return decision or (self.preempted and step != last_step)
@@ -308,7 +314,7 @@ class CheckpointManager:
         as given) or warn loudly and go on."""
         self.failed_saves += 1
         self.journal.record("save_failed", error=str(error), background=True)
-        if self.config.on_save_error == "raise" or isinstance(error.__cause__, ConfigError):
+        if self.config.on_save_error == "raise" or isinstance(error.__cause__, (ConfigError, LeaseError)):
             raise error
         log.warning("CHECKPOINT SAVE FAILED (%d so far), training continues; resume would use step %s. %s",
                     self.failed_saves, self._last_committed, error)
@@ -325,9 +331,10 @@ class CheckpointManager:
                  self.storage.url, layout.human_bytes(stats.bytes or 0), stats.stall, stats.duration or 0.0)
         self.engine.phase("retention", stats.step)
         try:  # the step is committed: a failed clean-up must not make the save look failed
+            self.lease.check_owned()  # never delete in a directory another job took over
             apply_retention(self.storage, keep_last=self.config.keep_last,
                             keep_every_n_steps=self.config.keep_every_n_steps, protect=stats.step)
-        except StorageError as e:
+        except (StorageError, LeaseError) as e:
             log.warning("retention after step %d failed (will retry after the next commit): %s", stats.step, e)
         if self.adaptive is not None:
             during, self._write_steps = self._write_steps, []

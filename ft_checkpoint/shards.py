@@ -17,7 +17,7 @@ written in parallel), each the concatenation of its chunks' raw bytes, no header
 
 Example:
     >>> import torch
-    >>> from ft_checkpoint.storage import Storage
+    >>> from ft_checkpoint.storage import IO_SLICE, Storage
     >>> s = Storage("memory://doc/shards")
     >>> w = ShardWriter(s, "step_000000000001", rank=0)
     >>> _ = torch.distributed.checkpoint.save({"w": torch.arange(4.0)}, storage_writer=w, no_dist=True)
@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
+import threading
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -49,11 +51,9 @@ from torch.futures import Future
 
 from ft_checkpoint import checksum, layout, tensor_metadata
 from ft_checkpoint.errors import CheckpointCorruptError, SaveError
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.storage import IO_SLICE, Storage
 
 log = logging.getLogger(__name__)
-SLICE = 16 << 20
-"""Bytes per write/read call and CRC update: large enough to amortize the call, small enough to stay in cache."""
 DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in tensor_metadata.ITEMSIZE
                                    if isinstance(getattr(torch, n, None), torch.dtype)}
 """The dtypes the format stores, by name (those whose bytes are plain memory), in this torch."""
@@ -93,6 +93,39 @@ def narrow(t: torch.Tensor, offsets: Any, sizes: Any) -> torch.Tensor:
 
 
 # -- writing -----------------------------------------------------------------------------------
+class Sink(Protocol):
+    """Where a shard file's bytes are written: in this process, or by a writer process."""
+
+    def write(self, rel: str, tensors: list[torch.Tensor]) -> list[int]:
+        """Write the tensors' bytes, in order, as the file ``rel``; one CRC-32C per tensor."""
+
+    def sync_dir(self, rel: str) -> None:
+        """Make the directory entries in ``rel`` durable."""
+
+
+class ThreadSink:
+    """Writes in this process, on the calling thread, at the nice value ``priority`` (per thread, on Linux)."""
+
+    def __init__(self, storage: Storage, priority: int = 0) -> None:
+        self.storage, self.priority = storage, priority
+
+    def write(self, rel: str, tensors: list[torch.Tensor]) -> list[int]:
+        set_thread_priority(self.priority)
+        plain = [_plain(t) for t in tensors]  # kept alive while their bytes are written
+        return self.storage.write_views(rel, [byte_view(t) for t in plain])
+
+    def sync_dir(self, rel: str) -> None:
+        self.storage.sync_dir(rel)
+
+
+def set_thread_priority(nice: int) -> None:
+    """Give the calling thread the nice value ``nice`` (Linux threads have their own); 0 changes nothing."""
+    if nice and hasattr(os, "setpriority"):
+        tid = threading.get_native_id()
+        if os.getpriority(os.PRIO_PROCESS, tid) != nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+
+
 class ShardWriter(StorageWriter):
     """DCP storage writer: each rank writes its chunks' raw bytes into ``writers`` files, with CRCs.
 
@@ -100,15 +133,18 @@ class ShardWriter(StorageWriter):
         storage: The checkpoint directory.
         rel: The step directory (relative to the storage root).
         rank: This process's rank (names its files).
-        writers: Files (and threads) per rank.
+        writers: Files (and parallel writers) per rank.
+        sinks: Where each file's bytes go (one per writer; default: this process).
 
     On the coordinator, after the save :attr:`files` holds ``{name: FileEntry}`` of every data file and
     of ``metadata.json``, for the manifest.
     """
 
-    def __init__(self, storage: Storage, rel: str, *, rank: int, writers: int = 1) -> None:
+    def __init__(self, storage: Storage, rel: str, *, rank: int, writers: int = 1,
+                 sinks: list[Sink] | None = None) -> None:
         super().__init__()
         self.storage, self.rel, self.rank, self.writers = storage, rel, rank, max(1, writers)
+        self.sinks: list[Sink] = sinks or [ThreadSink(storage)]
         self.files: dict[str, layout.FileEntry] = {}
 
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -132,37 +168,28 @@ class ShardWriter(StorageWriter):
             if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
                 raise SaveError(f"{item.index.fqn}: only tensors go to shard files (other values go to the rank file)")
         bins = _bins(plan.items, self.writers)
-        names = [f"__{self.rank}_{i}.distcp" for i in range(len(bins))]
-        if len(bins) == 1:
-            results = [self._write_file(names[0], bins[0], planner)]
+        jobs = [(f"__{self.rank}_{i}.distcp", items, self.sinks[i % len(self.sinks)]) for i, items in enumerate(bins)]
+        if len(jobs) == 1:
+            results = [self._write_file(*jobs[0], planner)]
         else:
-            with ThreadPoolExecutor(len(bins), thread_name_prefix="ft-checkpoint-shard") as pool:
-                results = list(pool.map(lambda nb: self._write_file(nb[0], nb[1], planner), zip(names, bins)))
-        if self.storage.is_local and bins:
-            self.storage.sync_dir(self.rel)  # the files' directory entries are durable before the manifest
+            with ThreadPoolExecutor(len(jobs), thread_name_prefix="ft-checkpoint-shard") as pool:
+                results = list(pool.map(lambda job: self._write_file(*job, planner), jobs))
+        if self.storage.is_local and jobs:
+            jobs[0][2].sync_dir(self.rel)  # the files' directory entries are durable before the manifest
         future: Future[list[WriteResult]] = Future()
         future.set_result([r for per_file in results for r in per_file])
         return future
 
-    def _write_file(self, name: str, items: list[Any], planner: SavePlanner) -> list[WriteResult]:
-        rel = f"{self.rel}/{name}"
-        return self.storage.call("write", rel, self._write_file_once, rel, name, items, planner)
-
-    def _write_file_once(self, rel: str, name: str, items: list[Any], planner: SavePlanner) -> list[WriteResult]:
+    def _write_file(self, name: str, items: list[Any], sink: Sink, planner: SavePlanner) -> list[WriteResult]:
+        tensors = [planner.resolve_data(item) for item in items]
+        crcs = sink.write(f"{self.rel}/{name}", tensors)
         results, offset = [], 0
-        with self.storage.open_write(rel) as f:
-            for item in items:
-                tensor = _plain(planner.resolve_data(item))
-                view = byte_view(tensor)
-                crc = 0
-                for start in range(0, len(view), SLICE):
-                    piece = view[start:start + SLICE]
-                    _write_all(f, piece)
-                    crc = checksum.crc32c_of(piece, crc)
-                chunk = item.tensor_data.chunk
-                results.append(WriteResult(index=item.index, size_in_bytes=len(view), storage_data=Chunk(
-                    tuple(chunk.offsets), tuple(chunk.sizes), name, offset, len(view), crc)))
-                offset += len(view)
+        for item, tensor, crc in zip(items, tensors, crcs):
+            nbytes = tensor.numel() * tensor.element_size()
+            chunk = item.tensor_data.chunk
+            results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=Chunk(
+                tuple(chunk.offsets), tuple(chunk.sizes), name, offset, nbytes, crc)))
+            offset += nbytes
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -171,14 +198,6 @@ class ShardWriter(StorageWriter):
         self.storage.write_bytes(f"{self.rel}/{layout.METADATA}", data)
         self.files = _file_entries(chunks.values())
         self.files[layout.METADATA] = layout.FileEntry(size=len(data), checksum=layout.checksum([data]))
-
-
-def _write_all(f: Any, view: memoryview) -> None:
-    while view:
-        n = f.write(view)
-        if n is None:  # a buffered fsspec file takes everything
-            return
-        view = view[n:]
 
 
 def _bins(items: list[Any], n: int) -> list[list[Any]]:
@@ -311,8 +330,8 @@ class ShardReader(StorageReader):
                                          f"the tensor needs {len(view)}")
         f.seek(chunk.offset)
         crc = 0
-        for start in range(0, len(view), SLICE):
-            piece = view[start:start + SLICE]
+        for start in range(0, len(view), IO_SLICE):
+            piece = view[start:start + IO_SLICE]
             _read_exactly(f, piece, rel)
             crc = checksum.crc32c_of(piece, crc)
         self.bytes_read += len(view)

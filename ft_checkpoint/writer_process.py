@@ -122,6 +122,29 @@ class WriterProcess:
             self.proc.wait()
 
 
+class ProcessSink:
+    """A :class:`~ft_checkpoint.shards.Sink` that has a writer process write tensors staged in its arena.
+
+    A tensor outside the arena (or not contiguous) cannot be named to the child: its file is written in
+    this process instead (``fallback``).
+    """
+
+    def __init__(self, process: WriterProcess, arena_base: int, arena_size: int, fallback: Any) -> None:
+        self.process, self.base, self.size, self.fallback = process, arena_base, arena_size, fallback
+
+    def write(self, rel: str, tensors: list[Any]) -> list[int]:
+        ranges = []
+        for t in tensors:
+            offset, n = t.data_ptr() - self.base, t.numel() * t.element_size()
+            if t.device.type != "cpu" or not t.is_contiguous() or not 0 <= offset <= offset + n <= self.size:
+                return self.fallback.write(rel, tensors)
+            ranges.append((offset, n))
+        return self.process.write(rel, ranges)
+
+    def sync_dir(self, rel: str) -> None:
+        self.process.sync_dir(rel)
+
+
 def _serve(inp: IO[bytes], out: IO[bytes]) -> None:
     msg = recv(inp)
     if msg is None or msg[0] != "init":

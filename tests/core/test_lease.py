@@ -353,3 +353,27 @@ def test_manager_with_a_garbage_lease_refuses_clearly_then_takes_it_by_force(tmp
         CheckpointManager(url)
     with CheckpointManager(url, force_takeover=True, interval=1) as ckpt:
         ckpt.save(1, make(), block=True)
+
+
+def test_a_job_whose_directory_was_taken_over_commits_and_deletes_nothing_more(tmp_path):
+    """After a takeover the old job's save fails at its commit check, whatever ``on_save_error`` says, and its
+    next ``maybe_save`` raises LeaseError: it never writes a manifest or runs retention there again."""
+    import torch
+
+    from ft_checkpoint import CheckpointManager, LeaseError, SaveError, layout
+
+    url = str(tmp_path / "ckpt")
+    old = CheckpointManager(url, interval=1, keep_last=1, on_save_error="warn")
+    old.save(1, {"w": torch.ones(2)}, block=True)
+    new = CheckpointManager(url, interval=1, keep_last=1, force_takeover=True)
+    new.save(5, {"w": torch.zeros(2)}, block=True)
+    old.save(2, {"w": torch.ones(2)})
+    with pytest.raises(SaveError) as e:
+        old.wait()
+    assert isinstance(e.value.__cause__, LeaseError), repr(e.value.__cause__)
+    assert old.lease.lost
+    with pytest.raises(LeaseError, match="another job took over"):
+        old.maybe_save(3, {"w": torch.ones(2)})
+    assert layout.committed_steps(new.storage) == [5], "the old job committed or deleted after losing the lease"
+    new.close()
+    old.close(clean=False)

@@ -1,0 +1,91 @@
+"""Format 2 round trips: every dtype and shape the raw format stores, written by a thread or by a writer
+process, at the priority asked for."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+import torch
+
+from ft_checkpoint import CheckpointManager, layout
+from ft_checkpoint.shards import DTYPES, byte_view
+from ft_checkpoint.storage import Storage
+
+
+def every_kind() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for name, dtype in DTYPES.items():
+        if dtype.is_floating_point or dtype.is_complex:
+            try:
+                base = torch.randn(5, 3, generator=g, dtype=torch.complex64 if dtype.is_complex else torch.float32)
+                out[name] = base.to(dtype)
+            except (RuntimeError, TypeError):  # a dtype without conversions (float8_e8m0fnu): its raw bytes
+                out[name] = torch.randint(0, 255, (5, 3), generator=g, dtype=torch.uint8).view(dtype)
+        elif dtype == torch.bool:
+            out[name] = torch.rand(5, 3, generator=g) > 0.5
+        else:
+            info = torch.iinfo(dtype)
+            out[name] = torch.randint(max(info.min, -1000), min(info.max, 1000), (5, 3), generator=g).to(dtype)
+    big = torch.randn(8, 6, generator=g)
+    out.update({"zero_dim": torch.tensor(3.25), "empty": torch.empty(0, 4), "empty_3d": torch.zeros(2, 0, 3),
+                "transposed": big.t(), "sliced": big[1::2, ::3], "expanded": torch.arange(4.0).expand(3, 4)})
+    return out
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (NaN-safe, and for dtypes without comparison ops)."""
+    a, b = a.contiguous(), b.contiguous()
+    return a.dtype == b.dtype and a.shape == b.shape and bytes(byte_view(a)) == bytes(byte_view(b))
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_every_dtype_and_shape_round_trips_bit_exact(tmp_path, writer):
+    saved = every_kind()
+    url = str(tmp_path / "ckpt")
+    with CheckpointManager(url, interval=1, writer=writer, writers=2) as ckpt:
+        ckpt.save(1, {"t": saved}, block=True)
+    names = sorted(layout.read_manifest(Storage(url), 1).files)
+    assert {"__0_0.distcp", "__0_1.distcp", "metadata.json", "rank_00000.pt"} == set(names)
+    into = {k: torch.zeros_like(v.contiguous()) for k, v in saved.items()}
+    fresh: dict = {"t": {}}
+    with CheckpointManager(url) as ckpt:
+        assert ckpt.resume({"t": into}) == 1
+        assert ckpt.resume(fresh) == 1  # no tensors to fill: new ones are made
+    for k, v in saved.items():
+        assert same(into[k], v), k
+        assert same(fresh["t"][k], v), k
+
+
+def test_the_thread_writer_runs_at_the_priority_asked_for(tmp_path):
+    seen = []
+
+    def hook(phase: str, step: int) -> None:
+        if phase == "writing":
+            seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    with CheckpointManager(str(tmp_path / "ckpt"), interval=1, writer_priority=7) as ckpt:
+        ckpt.engine.phase_hook = hook
+        ckpt.save(1, {"w": torch.ones(10)}, block=True)
+        assert seen == [7], "the writer thread's nice value, read back from the OS"
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0, "training's thread is untouched"
+
+
+def test_the_writer_process_runs_at_the_priority_asked_for_and_is_replaced_if_it_dies(tmp_path):
+    url = str(tmp_path / "ckpt")
+    state = {"w": torch.arange(1000.0)}
+    with CheckpointManager(url, interval=1, writer="process", writer_priority=11) as ckpt:
+        ckpt.save(1, state, block=True)
+        (pid,) = ckpt.engine.writer_pids
+        assert pid != os.getpid() and os.getpriority(os.PRIO_PROCESS, pid) == 11
+        os.kill(pid, signal.SIGKILL)
+        state["w"] += 1
+        ckpt.save(2, state, block=True)  # a dead writer is replaced before the next save
+        assert ckpt.engine.writer_pids != [pid]
+    resumed = {"w": torch.zeros(1000)}
+    with CheckpointManager(url) as ckpt:
+        assert ckpt.resume(resumed) == 2
+    assert torch.equal(resumed["w"], torch.arange(1000.0) + 1)
