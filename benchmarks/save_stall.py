@@ -185,8 +185,8 @@ def main() -> None:
     print(f"state: {mb:.0f} MB on {args.device}; staging-copy floor {floor:.3f} s ({mb / floor:.0f} MB/s)")
 
     rows = {}
-    for name, fn in [("raw write", bench_raw_write), ("torch.save", bench_torch_save), ("dcp.save", bench_dcp_save),
-                     ("dcp.async_save", bench_dcp_async)]:
+    for name, fn in [("torch.save", bench_torch_save), ("dcp.save", bench_dcp_save),
+                     ("dcp.async_save", bench_dcp_async), ("raw write", bench_raw_write)]:
         d = os.path.join(base, name)
         os.makedirs(d)
         samples = [timed(fn, model, opt, d, i) for i in range(args.warmup + args.repeats)]

@@ -21,10 +21,12 @@ import logging
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ft_checkpoint import layout
 from ft_checkpoint.config import CheckpointConfig, parse_duration
+from ft_checkpoint.cost import CostMeter
 from ft_checkpoint.dist import Groups
 from ft_checkpoint.engine import CheckpointEngine, OpenedStep, SaveStats
 from ft_checkpoint.errors import ConfigError, LeaseError, Preempted, SaveError, StateMismatchError, StorageError
@@ -159,9 +161,8 @@ class CheckpointManager:
         self.resumed_rng: dict[str, Any] | None = None
         """The RNG states the last resume found for this rank (see ``resume(restore_rng=False)``)."""
         self._last_save_time = time.monotonic()
-        self._last_boundary: float | None = None
-        self._idle_step: float | None = None
-        self._write_steps: list[float] = []
+        self._cost = CostMeter()
+        self._cleanup = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-checkpoint-retention")
         self._closed = False
 
     def _learn_failures(self) -> None:
@@ -179,20 +180,32 @@ class CheckpointManager:
         return self.groups.rank
 
     # -- saving --------------------------------------------------------------------------------
-    def should_save(self, step: int) -> bool:
-        """Whether to save at ``step``: the policy's answer, or a preemption (the same answer on every rank)."""
-        self._time_step()
+    def note_step(self, step: int) -> None:
+        """A step boundary: time the step (what a background write costs the training, for the adaptive
+        interval) and note the step reached in the journal (at most every ``progress_interval``)."""
+        self._cost.step(writing=self.engine.in_flight)
         self.journal.progress(step)
+
+    def should_save(self, step: int) -> bool:
+        """This rank's answer to "save at ``step``?": the policy's, or a preemption notice on this rank.
+        No side effect and no collective: see :meth:`agree_to_save` for the answer every rank shares."""
+        return self.policy.should_save(self._context(step, self._notice()))
+
+    def _context(self, step: int, notice: str | None) -> SaveContext:
         last = self.last_save
-        last_step = last.step if last else self.resumed_from
-        notice = self._notice()
-        ctx = SaveContext(
-            step=step, now=time.monotonic(), last_save_step=last_step,
+        return SaveContext(
+            step=step, now=time.monotonic(), last_save_step=last.step if last else self.resumed_from,
             last_save_time=self._last_save_time, last_stall=last.stall if last else None,
             last_duration=last.duration if last else None, save_in_flight=self.engine.in_flight,
             preempted=notice is not None)
-        decision = self.policy.should_save(ctx)
-        lost = self.rank == 0 and self.lease.lost
+
+    def agree_to_save(self, step: int) -> bool:
+        """Whether every rank saves at ``step`` (a collective when distributed: call it on every rank at the
+        same steps): rank 0's policy answer for time-based policies, a preemption notice on any rank
+        (then :attr:`preempted` is set), and a LeaseError on every rank if rank 0 lost the directory's lease."""
+        notice = self._notice()
+        ctx = self._context(step, notice)
+        decision, lost = self.policy.should_save(ctx), self.rank == 0 and self.lease.lost
         if self.groups.distributed:  # one collective: rank 0's decision and lease, anyone's notice
             votes = self.groups.all_gather((decision, notice, lost))
             decision = votes[0][0] if not self.policy.deterministic else decision
@@ -203,7 +216,7 @@ class CheckpointManager:
                              "saving there. HINT: give each job its own dirpath; see the warning about lease.json")
         self._preempt_reason = self._preempt_reason or notice  # the first notice agreed on
         self.preempted = notice is not None
-        return decision or (self.preempted and step != last_step)
+        return decision or (self.preempted and step != ctx.last_save_step)
 
     def _notice(self) -> str | None:
         """This rank's preemption notice: a signal's name, ``"job end time"``, or set by the program."""
@@ -217,10 +230,11 @@ class CheckpointManager:
 
         Call it at a step boundary (after the optimizer step), with the number of completed steps.
         """
-        if not self.should_save(step):
+        self.note_step(step)
+        if not self.agree_to_save(step):
             return False
         self.save(step, state, epoch=epoch, metadata=metadata)
-        self._last_boundary = time.monotonic()  # the stall is counted once, not again as a slow step
+        self._cost.saved()
         if self.preempted:
             self.stop_for_preemption()
         return True
@@ -247,17 +261,6 @@ class CheckpointManager:
         if self.config.requeue is not None:
             return self.config.requeue
         return self.slurm.requeue
-
-    def _time_step(self) -> None:
-        """Step times at each boundary: while a write runs they measure its slowdown of training."""
-        now = time.monotonic()
-        if self._last_boundary is not None:
-            dt = now - self._last_boundary
-            if self.engine.in_flight:
-                self._write_steps.append(dt)
-            else:
-                self._idle_step = dt if self._idle_step is None else 0.9 * self._idle_step + 0.1 * dt
-        self._last_boundary = now
 
     def save(self, step: int, state: dict[str, Any], *, epoch: int | None = None,
              metadata: dict[str, Any] | None = None, per_rank: dict[str, Any] | None = None,
@@ -326,22 +329,23 @@ class CheckpointManager:
         if self.rank != 0:
             return
         self.journal.record("commit", step=stats.step, stall=stats.stall, waited=stats.waited,
-                            duration=stats.duration, bytes=stats.bytes)
+                            duration=stats.duration, bytes=stats.bytes, background=True)
         log.info("committed step %d to %s: %s, stall %.3f s, durable after %.2f s", stats.step,
                  self.storage.url, layout.human_bytes(stats.bytes or 0), stats.stall, stats.duration or 0.0)
-        self.engine.phase("retention", stats.step)
+        self._cleanup.submit(self._retention, stats.step)  # off the save's path: the next save need not wait
+        if self.adaptive is not None:
+            self.adaptive.observe_save(cost=self._cost.cost(stats.stall), durable=stats.duration or 0.0)
+            self.journal.save_cost = self.adaptive.cost
+
+    def _retention(self, step: int) -> None:
+        """Rank 0, on its own thread after each commit: delete what the retention rules say."""
+        self.engine.phase("retention", step)
         try:  # the step is committed: a failed clean-up must not make the save look failed
             self.lease.check_owned()  # never delete in a directory another job took over
             apply_retention(self.storage, keep_last=self.config.keep_last,
-                            keep_every_n_steps=self.config.keep_every_n_steps, protect=stats.step)
+                            keep_every_n_steps=self.config.keep_every_n_steps, protect=step)
         except (StorageError, LeaseError) as e:
-            log.warning("retention after step %d failed (will retry after the next commit): %s", stats.step, e)
-        if self.adaptive is not None:
-            during, self._write_steps = self._write_steps, []
-            idle = self._idle_step
-            slowdown = sum(max(0.0, dt - idle) for dt in during) if idle is not None else 0.0
-            self.adaptive.observe_save(cost=stats.stall + slowdown, durable=stats.duration or 0.0)
-            self.journal.save_cost = self.adaptive.cost
+            log.warning("retention after step %d failed (will retry after the next commit): %s", step, e)
 
     def metrics(self) -> dict[str, float]:
         """Numbers worth logging: the last save's stall, time to durable and bytes; the interval."""
@@ -476,6 +480,7 @@ class CheckpointManager:
         finally:
             self.watcher.close()
             self.engine.close()
+            self._cleanup.shutdown(wait=True)
             self.journal.close()
             if self.rank == 0:
                 self.lease.release()

@@ -252,13 +252,16 @@ class FaultTolerantCheckpoint(Checkpoint):
             self._remember_safe_point(trainer, step if resumable else None)
         if resumable and self._pending:  # a save asked for at an earlier batch, where a resume could not start
             self._pending = False
+            self.manager.note_step(step)
             self._save(trainer, step, lambda: self._snapshot(trainer, self._epoch_start))
             if self.manager.preempted:
                 self.manager.stop_for_preemption()
         elif resumable:  # a preemption notice makes this the final save, then exits (Preempted)
             self._save(trainer, step, lambda: self._snapshot(trainer, self._epoch_start), if_due=True)
-        elif self.manager.should_save(step):
-            self._pending = True
+        else:
+            self.manager.note_step(step)
+            if self.manager.agree_to_save(step):
+                self._pending = True
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._active and not self.saves:
