@@ -25,7 +25,7 @@ uninterrupted run of the same job at that step (else the load was *corrupt*); at
 weights must equal the uninterrupted run's bit for bit. Prints one table row per framework and exits
 1 on any failure (showing the failed trial's log).
 
-With ``--transient-rate R`` the checkpoint directory is ``faulty://`` (``ft_checkpoint.faults``): each
+With ``--transient-rate R`` the checkpoint directory is ``faulty://`` (``ft_checkpoint.testing.faults``): each
 storage call fails with a transient error at rate R, on top of the kills, and every save must still
 commit (``on_save_error="raise"``: a save that gives up crashes the run, which fails the trial).
 """

@@ -165,7 +165,7 @@ class CheckpointConfig:
     """The writer's nice value, 0 (as the training) to 19 (only idle CPU): lower priority for the
     background work (the thread's or the process's; read back from the OS by the tests)."""
 
-    writers: int = 1
+    writers: int = 2
     """Shard files (and parallel writers) per rank: more than one helps a large state on fast storage."""
 
     def __post_init__(self) -> None:

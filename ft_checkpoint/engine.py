@@ -374,7 +374,7 @@ class CheckpointEngine:
                 f"the non-tensor part of the state cannot be loaded safely (weights_only): {e}. HINT: keep "
                 "only tensors, numbers, strings, lists, tuples and dicts in state (convert other objects)") from e
         name = layout.rank_file(self.groups.rank)
-        self.storage.write_bytes(f"{rel}/{name}", data)
+        self.storage.write_bytes(f"{rel}/{name}", data, atomic=False)
         return name, layout.FileEntry(size=len(data), checksum=layout.checksum([data]))
 
     # -- loading -------------------------------------------------------------------------------

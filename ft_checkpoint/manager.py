@@ -71,7 +71,7 @@ class _SaveEvents:
         self.manager = manager
 
     def on_write_start(self, stats: SaveStats) -> None:
-        self.manager.journal.record("save_started", step=stats.step, stall=stats.stall)
+        self.manager.journal.record("save_started", step=stats.step, stall=stats.stall, background=True)
 
     def check_writable(self, stats: SaveStats) -> None:
         self.manager.lease.check_owned()  # a job that lost the directory to another stops writing there
@@ -462,13 +462,17 @@ class CheckpointManager:
         return self.groups.on_rank0(lambda: max(layout.committed_steps(self.storage), default=None))
 
     # -- lifecycle -----------------------------------------------------------------------------
-    def wait(self) -> SaveStats | None:
-        """Block until the save in flight committed; a background error is raised (or warned about)."""
+    def wait(self, *, retention: bool = False) -> SaveStats | None:
+        """Block until the save in flight committed; a background error is raised (or warned about). With
+        ``retention``, also until the deletions that commit started are done."""
         try:
             return self.engine.wait()
         except SaveError as e:
             self._save_failed(e)
             return None
+        finally:
+            if retention:
+                self._cleanup.submit(lambda: None).result()
 
     def close(self, *, clean: bool = True) -> None:
         """Drain the save in flight, then release the writer. ``clean`` records a clean end in the journal."""

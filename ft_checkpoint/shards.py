@@ -195,7 +195,7 @@ class ShardWriter(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         chunks = {r.index: r.storage_data for per_rank in results for r in per_rank}
         data = tensor_metadata.dump(_tensors(metadata, chunks))
-        self.storage.write_bytes(f"{self.rel}/{layout.METADATA}", data)
+        self.storage.write_bytes(f"{self.rel}/{layout.METADATA}", data, atomic=False)
         self.files = _file_entries(chunks.values())
         self.files[layout.METADATA] = layout.FileEntry(size=len(data), checksum=layout.checksum([data]))
 

@@ -52,8 +52,6 @@ IO_SLICE = 16 << 20
 """Bytes per write or read call and CRC update: large enough to amortize the call, small enough to stay in cache."""
 GLOB_CHARACTERS = frozenset("*?[]")
 """Characters fsspec may expand as a pattern (``rm``, ``copy``, ``expand_path``): refused in a dirpath."""
-# faulty:///path: local disk with injected faults, for tests and the chaos benchmark (imported on use).
-fsspec.register_implementation("faulty", "ft_checkpoint.faults.FaultyFileSystem", clobber=True)
 
 # Exception class names (anywhere in the MRO) that mean "try again": aiohttp (gcsfs), botocore
 # (s3fs) and requests-style errors, matched by name so this module imports none of them.
@@ -240,9 +238,16 @@ class Storage:
                 raise StorageNotFoundError(
                     f"bucket {bucket!r} of {self.url} does not exist. HINT: create it first, or fix the URL")
 
-    def write_bytes(self, rel: str, data: bytes) -> None:
-        """Write one object whole; on local disk durably and atomically (tmp + fsync + rename)."""
-        self._call("write", rel, self._write_local if self.is_local else self._put, rel, data)
+    def write_bytes(self, rel: str, data: bytes, *, atomic: bool = True) -> None:
+        """Write one object whole, durably. On local disk atomically (tmp + fsync + rename + directory fsync);
+        with ``atomic=False`` in place (one fsync): for a file inside a step, which no reader sees before the
+        step's manifest (written atomically, after it) makes the step and its directory entries durable."""
+        if not self.is_local:
+            self._call("write", rel, self._put, rel, data)
+        elif atomic:
+            self._call("write", rel, self._write_local, rel, data)
+        else:
+            self.write_views(rel, [memoryview(data)])
 
     def _put(self, rel: str, data: bytes) -> None:
         self.fs.pipe_file(self.path(rel), data)

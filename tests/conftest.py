@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests import servers
+from ft_checkpoint.testing import servers
 
 
 @pytest.fixture(scope="session")

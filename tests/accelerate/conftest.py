@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.servers import free_port
+from ft_checkpoint.testing.servers import free_port
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_script.py")
 TIMEOUT = 300  # generous: the machine is shared with other test runs

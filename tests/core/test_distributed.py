@@ -8,7 +8,7 @@ import sys
 
 from ft_checkpoint.layout import read_manifest
 from ft_checkpoint.storage import Storage
-from tests.servers import free_port
+from ft_checkpoint.testing.servers import free_port
 
 WORKER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "helpers", "dist_worker.py")
 

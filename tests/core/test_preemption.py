@@ -18,7 +18,7 @@ from ft_checkpoint.journal import attempt_summaries
 from ft_checkpoint.preemption import PreemptionWatcher
 from ft_checkpoint.slurm import SlurmJob
 from ft_checkpoint.storage import Storage
-from tests.servers import free_port
+from ft_checkpoint.testing.servers import free_port
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers", "preempt_train.py")
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}

@@ -9,7 +9,7 @@ import pytest
 
 from ft_checkpoint import CheckpointManager
 from ft_checkpoint.errors import SaveError
-from tests import servers
+from ft_checkpoint.testing import servers
 from tests.helpers.toy import assert_same, make, train_step
 
 
