@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from collections.abc import Iterable
@@ -36,6 +37,17 @@ _POLY = 0x82F63B78  # CRC-32C (Castagnoli), reflected
 def crc32c_of(data: Any, value: int = 0) -> int:
     """The CRC-32C of ``data`` (any buffer: bytes, memoryview, ...), continuing from ``value``."""
     return _crc32c.crc32c(data, value)
+
+
+@functools.lru_cache(maxsize=8192)
+def zeros(n: int) -> int:
+    """The CRC-32C of ``n`` zero bytes (padding; small ``n``).
+
+    Example:
+        >>> zeros(3) == crc32c_of(bytes(3)), zeros(0)
+        (True, 0)
+    """
+    return crc32c_of(bytes(n)) if n else 0
 
 
 def format_crc(crc: int) -> str:

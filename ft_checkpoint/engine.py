@@ -298,7 +298,8 @@ class CheckpointEngine:
         prints = {k: fingerprint(t) for k, t in tensors.items() if type(t).__name__ != "DTensor"}
         shared = self._agree(step, lambda: (self._write_rank_file(rel, staged["rank_file"]), prints), gather=True)
         _check_replicated([p for _, p in shared])
-        writer = shards.ShardWriter(self.storage, rel, rank=g.rank, writers=self.writers, sinks=self._sinks())
+        writer = shards.ShardWriter(self.storage, rel, rank=g.rank, writers=self.writers, sinks=self._sinks(),
+                                    arena=self._stager.arena)
         dcp.save(tensors, storage_writer=writer, process_group=g.writer, no_dist=not g.distributed)
         self.phase("data_written", step)
         files = {**writer.files, **{name: entry for (name, entry), _ in shared}}

@@ -13,11 +13,13 @@ disjoint from the others, the chunks of each tensor covering it exactly), then t
 objects. Nothing is ever unpickled. See ``legacy`` for checkpoints in DCP's own format (format 1).
 
 Files: ``__<rank>_<i>.distcp`` (``i`` < ``writers``: each rank's chunks spread over several files
-written in parallel), each the concatenation of its chunks' raw bytes, no header.
+written in parallel), each the concatenation of its chunks' raw bytes, no header; on local disk each
+chunk starts on a page boundary (zero padding between), so that it can be written from its staging slot
+with ``O_DIRECT``.
 
 Example:
     >>> import torch
-    >>> from ft_checkpoint.storage import IO_SLICE, Storage
+    >>> from ft_checkpoint.storage import Storage
     >>> s = Storage("memory://doc/shards")
     >>> w = ShardWriter(s, "step_000000000001", rank=0)
     >>> _ = torch.distributed.checkpoint.save({"w": torch.arange(4.0)}, storage_writer=w, no_dist=True)
@@ -30,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import threading
@@ -51,6 +54,7 @@ from torch.futures import Future
 
 from ft_checkpoint import checksum, layout, tensor_metadata
 from ft_checkpoint.errors import CheckpointCorruptError, SaveError
+from ft_checkpoint.staging import Arena, padded
 from ft_checkpoint.storage import IO_SLICE, Storage
 
 log = logging.getLogger(__name__)
@@ -76,6 +80,11 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
+def address_view(address: int, n: int) -> memoryview:
+    """``n`` bytes of memory at ``address`` (of a tensor or arena that the caller keeps alive)."""
+    return memoryview((ctypes.c_char * n).from_address(address)).cast("B") if n else memoryview(bytearray())
+
+
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a contiguous CPU tensor, copied only if it is not one already."""
     t = t.detach()
@@ -96,8 +105,9 @@ def narrow(t: torch.Tensor, offsets: Any, sizes: Any) -> torch.Tensor:
 class Sink(Protocol):
     """Where a shard file's bytes are written: in this process, or by a writer process."""
 
-    def write(self, rel: str, tensors: list[torch.Tensor]) -> list[int]:
-        """Write the tensors' bytes, in order, as the file ``rel``; one CRC-32C per tensor."""
+    def write(self, rel: str, tensors: list[torch.Tensor], *, slots: bool) -> list[int]:
+        """Write the tensors' bytes, in order, as the file ``rel``; one CRC-32C per tensor (of its bytes).
+        With ``slots`` each tensor is a staging-arena slot, written whole (padded to pages, ``O_DIRECT``)."""
 
     def sync_dir(self, rel: str) -> None:
         """Make the directory entries in ``rel`` durable."""
@@ -109,10 +119,13 @@ class ThreadSink:
     def __init__(self, storage: Storage, priority: int = 0) -> None:
         self.storage, self.priority = storage, priority
 
-    def write(self, rel: str, tensors: list[torch.Tensor]) -> list[int]:
+    def write(self, rel: str, tensors: list[torch.Tensor], *, slots: bool = False) -> list[int]:
         set_thread_priority(self.priority)
         plain = [_plain(t) for t in tensors]  # kept alive while their bytes are written
-        return self.storage.write_views(rel, [byte_view(t) for t in plain])
+        lengths = [t.numel() * t.element_size() for t in plain]
+        views = [address_view(t.data_ptr(), padded(n)) for t, n in zip(plain, lengths)] if slots else \
+            [byte_view(t) for t in plain]
+        return self.storage.write_views(rel, views, lengths=lengths, direct=slots)
 
     def sync_dir(self, rel: str) -> None:
         self.storage.sync_dir(rel)
@@ -141,10 +154,11 @@ class ShardWriter(StorageWriter):
     """
 
     def __init__(self, storage: Storage, rel: str, *, rank: int, writers: int = 1,
-                 sinks: list[Sink] | None = None) -> None:
+                 sinks: list[Sink] | None = None, arena: Arena | None = None) -> None:
         super().__init__()
         self.storage, self.rel, self.rank, self.writers = storage, rel, rank, max(1, writers)
         self.sinks: list[Sink] = sinks or [ThreadSink(storage)]
+        self.arena = arena
         self.files: dict[str, layout.FileEntry] = {}
 
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -182,21 +196,26 @@ class ShardWriter(StorageWriter):
 
     def _write_file(self, name: str, items: list[Any], sink: Sink, planner: SavePlanner) -> list[WriteResult]:
         tensors = [planner.resolve_data(item) for item in items]
-        crcs = sink.write(f"{self.rel}/{name}", tensors)
+        # On local disk, tensors staged in the arena are written as whole page-aligned slots, with O_DIRECT:
+        # no copy into the page cache. The zero padding between them is part of the file and of its CRC.
+        slots = self.storage.is_local and self.arena is not None and all(self.arena.contains(t) for t in tensors)
+        crcs = sink.write(f"{self.rel}/{name}", tensors, slots=slots)
         results, offset = [], 0
         for item, tensor, crc in zip(items, tensors, crcs):
             nbytes = tensor.numel() * tensor.element_size()
             chunk = item.tensor_data.chunk
-            results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=Chunk(
-                tuple(chunk.offsets), tuple(chunk.sizes), name, offset, nbytes, crc)))
-            offset += nbytes
+            extent = padded(nbytes) if slots else nbytes
+            results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=Written(
+                Chunk(tuple(chunk.offsets), tuple(chunk.sizes), name, offset, nbytes, crc), offset + extent)))
+            offset += extent
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        chunks = {r.index: r.storage_data for per_rank in results for r in per_rank}
+        written = [r.storage_data for per_rank in results for r in per_rank]
+        chunks = {r.index: r.storage_data.chunk for per_rank in results for r in per_rank}
         data = tensor_metadata.dump(_tensors(metadata, chunks))
         self.storage.write_bytes(f"{self.rel}/{layout.METADATA}", data, atomic=False)
-        self.files = _file_entries(chunks.values())
+        self.files = _file_entries(written)
         self.files[layout.METADATA] = layout.FileEntry(size=len(data), checksum=layout.checksum([data]))
 
 
@@ -223,17 +242,29 @@ def _tensors(metadata: Metadata, chunks: Mapping[MetadataIndex, Chunk]) -> dict[
     return out
 
 
-def _file_entries(chunks: Iterable[Chunk]) -> dict[str, layout.FileEntry]:
-    """Size and CRC of each data file, combined from its chunks' CRCs (the file is their concatenation)."""
-    by_file: dict[str, list[Chunk]] = {}
-    for c in chunks:
-        by_file.setdefault(c.file, []).append(c)
+@dataclasses.dataclass(frozen=True)
+class Written:
+    """What writing one chunk produced: where it lies, and where the file ended after it (padding included)."""
+
+    chunk: Chunk
+    end: int
+
+
+def _file_entries(written: Iterable[Written]) -> dict[str, layout.FileEntry]:
+    """Size and CRC of each data file, combined from its chunks' CRCs and the zero padding around them (the
+    file is their concatenation, each chunk maybe padded to whole pages): no byte is read back."""
+    by_file: dict[str, list[Written]] = {}
+    for w in written:
+        by_file.setdefault(w.chunk.file, []).append(w)
     out = {}
     for name, parts in by_file.items():
         crc, size = 0, 0
-        for c in sorted(parts, key=lambda c: c.offset):
-            assert c.offset == size, "chunks of a file are contiguous"
-            crc, size = checksum.combine(crc, c.crc32c, c.length), size + c.length
+        for w in sorted(parts, key=lambda w: w.chunk.offset):
+            c = w.chunk
+            crc = checksum.combine(checksum.combine(crc, checksum.zeros(c.offset - size), c.offset - size),
+                                   c.crc32c, c.length)
+            size = c.offset + c.length
+            crc, size = checksum.combine(crc, checksum.zeros(w.end - size), w.end - size), w.end
         out[name] = layout.FileEntry(size=size, checksum=checksum.format_crc(crc))
     return out
 

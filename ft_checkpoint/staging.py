@@ -2,10 +2,11 @@
 
 The copy is all a save blocks for. Every tensor gets a slot in one arena of host memory, laid out at
 the first save and reused by every later save while the tensors keep their shapes and dtypes (a new
-layout allocates a new arena). For CUDA tensors the arena is pinned and the copies are non-blocking,
-with one synchronization at the end. With ``shared=True`` the arena is an anonymous shared-memory
-file (``memfd``), so a writer process can map it and write the bytes without another copy (see
-``writer_process``). A DTensor's local shard is staged and wrapped back into a DTensor with the same
+layout allocates a new arena). Slots start on page boundaries and are padded with zeros to whole pages,
+so a writer can hand them to the disk with ``O_DIRECT`` (no copy into the page cache). For CUDA
+tensors the arena is pinned and the copies are non-blocking, with one synchronization at the end. With
+``shared=True`` the arena is an anonymous shared-memory file (``memfd``), so a writer process can map
+it and write the bytes without another copy (see ``writer_process``). A DTensor's local shard is staged and wrapped back into a DTensor with the same
 mesh and placements, so DCP plans its chunks as usual.
 
 Example:
@@ -29,8 +30,8 @@ from typing import Any
 
 import torch
 
-ALIGN = 64
-"""Byte alignment of every tensor in the arena (cache lines; any dtype's alignment)."""
+ALIGN = 4096
+"""Every slot starts on, and is padded to, a page boundary: what ``O_DIRECT`` needs (``storage.DIRECT_ALIGN``)."""
 
 
 class Arena:
@@ -39,21 +40,27 @@ class Arena:
     def __init__(self, nbytes: int, *, shared: bool, pin: bool) -> None:
         self.nbytes = max(nbytes, ALIGN)
         self.fd: int | None = None
-        self._mmap: mmap.mmap | None = None
-        if shared:
+        if shared:  # a memfd a writer process can map; mapped here too, page-aligned and zeroed
             self.fd = os.memfd_create("ft-checkpoint-staging", os.MFD_CLOEXEC)
             os.ftruncate(self.fd, self.nbytes)
             self._mmap = mmap.mmap(self.fd, self.nbytes)
-            self.bytes = torch.frombuffer(self._mmap, dtype=torch.uint8)
-            if pin:
-                _register_pinned(self.bytes)
-        else:
-            self.bytes = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin)
+        else:  # private anonymous memory: page-aligned and zeroed too
+            self._mmap = mmap.mmap(-1, self.nbytes)
+        self.bytes = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        if pin:
+            _register_pinned(self.bytes)
 
     @property
     def base(self) -> int:
         """The address of the arena's first byte (to find a staged tensor's offset)."""
         return self.bytes.data_ptr()
+
+    def contains(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a contiguous tensor whose bytes start on a slot boundary of this arena (then its
+        slot, padded to whole pages, can be written with ``O_DIRECT``)."""
+        offset = t.data_ptr() - self.base
+        return (t.device.type == "cpu" and t.is_contiguous() and offset % ALIGN == 0
+                and 0 <= offset and offset + padded(t.numel() * t.element_size()) <= self.nbytes)
 
     def view(self, offset: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         n = shape.numel() * torch.empty((), dtype=dtype).element_size()
@@ -61,10 +68,17 @@ class Arena:
 
     def close(self) -> None:
         del self.bytes
-        if self._mmap is not None:
+        try:
             self._mmap.close()
+        except BufferError:  # a staged tensor is still referenced: the mapping goes when it does
+            pass
         if self.fd is not None:
             os.close(self.fd)
+
+
+def padded(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole pages (a slot's size)."""
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 def _register_pinned(t: torch.Tensor) -> None:
@@ -118,8 +132,7 @@ class Stager:
         offset, offsets = 0, {}
         for key, shape, dtype in layout:
             offsets[key] = offset
-            n = shape.numel() * torch.empty((), dtype=dtype).element_size()
-            offset += -(-n // ALIGN) * ALIGN
+            offset += padded(shape.numel() * torch.empty((), dtype=dtype).element_size())
         self.arena = Arena(offset, shared=self.shared, pin=self.pin)
         self._layout, self._offsets = layout, offsets
 

@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 IO_SLICE = 16 << 20
 """Bytes per write or read call and CRC update: large enough to amortize the call, small enough to stay in cache."""
+DIRECT_ALIGN = 4096
+"""Alignment of ``O_DIRECT`` writes (address, length, file offset): the page size, a multiple of any block size."""
 GLOB_CHARACTERS = frozenset("*?[]")
 """Characters fsspec may expand as a pattern (``rm``, ``copy``, ``expand_path``): refused in a dirpath."""
 
@@ -127,6 +129,21 @@ def make_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> 
             "HINT: use a local path or a URL of an installed fsspec protocol (file://, memory://, gs://, s3://), "
             "and only options that filesystem accepts"
         ) from e
+
+
+def _open_direct(path: str) -> Any:
+    """``path`` opened for writing with ``O_DIRECT``, or None where the OS or filesystem refuses it (tmpfs)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        log.debug("no O_DIRECT for %s (%s): a buffered write", path, e)
+        return None
+    return open(fd, "wb", buffering=0)
 
 
 def _write_all(f: Any, view: memoryview) -> None:
@@ -268,40 +285,48 @@ class Storage:
         self.sync_dir(os.path.dirname(rel))
 
     @contextlib.contextmanager
-    def open_write(self, rel: str) -> Iterator[Any]:
+    def open_write(self, rel: str, *, direct: bool = False) -> Iterator[Any]:
         """A file to write ``rel`` into, created or truncated (not retried: retry the whole file). On local
-        disk an unbuffered file (each ``write`` goes straight to the OS, releasing the GIL), fsynced on close."""
+        disk an unbuffered file (each ``write`` goes straight to the OS, releasing the GIL), fsynced on close;
+        with ``direct``, opened with ``O_DIRECT`` where the filesystem allows it: the bytes go from the
+        caller's memory to the disk without a copy into the page cache (every write must then be aligned
+        to :data:`DIRECT_ALIGN` in address, length and file offset)."""
         path = self.path(rel)
-        if self.is_local:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "wb", buffering=0) as f:
-                yield f
-                os.fsync(f.fileno())
-        else:
+        if not self.is_local:
             with self.fs.open(path, "wb") as f:
                 yield f
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        f = _open_direct(path) if direct else None
+        with f or open(path, "wb", buffering=0) as f:
+            yield f
+            os.fsync(f.fileno())
 
-    def write_views(self, rel: str, views: list[memoryview]) -> list[int]:
+    def write_views(self, rel: str, views: list[memoryview], *, lengths: list[int] | None = None,
+                    direct: bool = False) -> list[int]:
         """Write the buffers ``views``, in order, as the file ``rel`` (fsynced on local disk); returns each
-        buffer's CRC-32C, computed over the same memory as it is written (no read-back). The whole file is
-        rewritten on a transient error.
+        buffer's CRC-32C (of its first ``lengths[i]`` bytes, if given: the rest is padding), computed over
+        the same memory as it is written (no read-back). ``direct``: see :meth:`open_write`. The whole file
+        is rewritten on a transient error.
 
         Example:
             >>> s = Storage("memory://doc/views")
             >>> s.write_views("f.bin", [memoryview(b"ab"), memoryview(b"c")]) == [crc32c_of(b"ab"), crc32c_of(b"c")]
             True
         """
-        return self._call("write", rel, self._write_views_once, rel, views)
+        return self._call("write", rel, self._write_views_once, rel, views, lengths, direct)
 
-    def _write_views_once(self, rel: str, views: list[memoryview]) -> list[int]:
+    def _write_views_once(self, rel: str, views: list[memoryview], lengths: list[int] | None,
+                          direct: bool) -> list[int]:
         crcs = []
-        with self.open_write(rel) as f:
-            for view in views:
-                crc = 0
+        with self.open_write(rel, direct=direct) as f:
+            for i, view in enumerate(views):
+                crc, n = 0, len(view) if lengths is None else lengths[i]
                 for start in range(0, len(view), IO_SLICE):
                     piece = view[start:start + IO_SLICE]
                     _write_all(f, piece)
-                    crc = crc32c_of(piece, crc)
+                    if start < n:
+                        crc = crc32c_of(piece[:n - start], crc)
                 crcs.append(crc)
         return crcs
 

@@ -36,7 +36,7 @@ from typing import IO, Any
 
 from ft_checkpoint.checksum import crc32c_of
 from ft_checkpoint.errors import SaveError, StorageError
-from ft_checkpoint.storage import Storage, is_transient
+from ft_checkpoint.storage import DIRECT_ALIGN, Storage, is_transient
 
 log = logging.getLogger(__name__)
 _HEADER = struct.Struct("<Q")
@@ -79,9 +79,11 @@ class WriterProcess:
     def pid(self) -> int:
         return self.proc.pid
 
-    def write(self, rel: str, ranges: list[tuple[int, int]]) -> list[int]:
-        """Write the arena's byte ``ranges`` (offset, length), in order, as the file ``rel``; their CRC-32Cs."""
-        return self._request("write", rel, ranges)
+    def write(self, rel: str, ranges: list[tuple[int, int]], *, lengths: list[int] | None = None,
+              direct: bool = False) -> list[int]:
+        """Write the arena's byte ``ranges`` (offset, length), in order, as the file ``rel``; their CRC-32Cs
+        (of their first ``lengths`` bytes, if given). ``direct``: ``O_DIRECT`` (aligned ranges)."""
+        return self._request("write", rel, ranges, lengths, direct)
 
     def sync_dir(self, rel: str) -> None:
         self._request("sync_dir", rel)
@@ -132,14 +134,16 @@ class ProcessSink:
     def __init__(self, process: WriterProcess, arena_base: int, arena_size: int, fallback: Any) -> None:
         self.process, self.base, self.size, self.fallback = process, arena_base, arena_size, fallback
 
-    def write(self, rel: str, tensors: list[Any]) -> list[int]:
-        ranges = []
+    def write(self, rel: str, tensors: list[Any], *, slots: bool = False) -> list[int]:
+        ranges, lengths = [], []
         for t in tensors:
             offset, n = t.data_ptr() - self.base, t.numel() * t.element_size()
-            if t.device.type != "cpu" or not t.is_contiguous() or not 0 <= offset <= offset + n <= self.size:
-                return self.fallback.write(rel, tensors)
-            ranges.append((offset, n))
-        return self.process.write(rel, ranges)
+            extent = -(-n // DIRECT_ALIGN) * DIRECT_ALIGN if slots else n
+            if t.device.type != "cpu" or not t.is_contiguous() or not 0 <= offset <= offset + extent <= self.size:
+                return self.fallback.write(rel, tensors, slots=slots)
+            ranges.append((offset, extent))
+            lengths.append(n)
+        return self.process.write(rel, ranges, lengths=lengths, direct=slots)
 
     def sync_dir(self, rel: str) -> None:
         self.process.sync_dir(rel)
@@ -158,8 +162,9 @@ def _serve(inp: IO[bytes], out: IO[bytes]) -> None:
     while (msg := recv(inp)) is not None:
         try:
             if msg[0] == "write":
-                _, rel, ranges = msg
-                result: Any = storage.write_views(rel, [arena[o:o + n] for o, n in ranges])
+                _, rel, ranges, lengths, direct = msg
+                result: Any = storage.write_views(rel, [arena[o:o + n] for o, n in ranges], lengths=lengths,
+                                                  direct=direct)
             else:
                 storage.sync_dir(msg[1])
                 result = None

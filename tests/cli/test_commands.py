@@ -56,7 +56,8 @@ def test_ls_after_the_resumed_attempt_finished(local_run):
                                                                      (40, "committed")]  # keep_last=3
     assert listing["resume_step"] == STEPS
     newest = listing["steps"][-1]
-    assert newest["world_size"] == 1 and newest["files"] == 3 and newest["bytes"] > 3_000_000 and newest["time"]
+    # 2 shard files (writers=2), metadata.json, the rank file
+    assert newest["world_size"] == 1 and newest["files"] == 4 and newest["bytes"] > 3_000_000 and newest["time"]
 
 
 def test_verify_passes_then_fails_after_a_byte_flip_naming_the_file(copy):
@@ -104,7 +105,7 @@ def test_a_quarantined_step_is_corrupt_and_verify_checks_what_a_resume_would_loa
 
 def test_garbage_in_step_directories_is_reported_as_a_resume_then_skips_it(copy):
     """Files the manifest does not list (step 40), garbage bytes in place of a manifest (step 30)."""
-    for name in ("__0_1.distcp", "notes.txt"):
+    for name in ("__0_7.distcp", "notes.txt"):
         shutil.copy(step_file(copy, STEPS), step_file(copy, STEPS, name))
     with open(step_file(copy, 30, layout.MANIFEST), "wb") as f:
         f.write(random.Random(0).randbytes(300))
@@ -113,7 +114,7 @@ def test_garbage_in_step_directories_is_reported_as_a_resume_then_skips_it(copy)
     assert bad.returncode == 1 and f"step {STEPS}: CORRUPT" in bad.stdout
     assert f"{step_file(copy, STEPS, 'notes.txt')}: {UNLISTED}" in bad.stdout
     assert cli_json("verify", copy, rc=1)["steps"][0]["problems"] == [
-        f"{step_file(copy, STEPS, name)}: {UNLISTED}" for name in ("__0_1.distcp", "notes.txt")]
+        f"{step_file(copy, STEPS, name)}: {UNLISTED}" for name in ("__0_7.distcp", "notes.txt")]
     everything = cli_json("verify", copy, "--all", rc=1)
     assert [(s["step"], s["ok"]) for s in everything["steps"]] == [(20, True), (30, False), (40, False)]
     assert "manifest.json: not valid JSON" in everything["steps"][1]["problems"][0]
@@ -125,7 +126,7 @@ def test_garbage_in_step_directories_is_reported_as_a_resume_then_skips_it(copy)
                              timeout=TIMEOUT)  # the real job: the same two steps skipped, the same one taken
     assert "START 20" in resumed.stdout, resumed.stdout + resumed.stderr
     skipped = [line for line in resumed.stderr.splitlines() if line.startswith("skipping step")]
-    assert len(skipped) == 2 and f"__0_1.distcp, notes.txt: {UNLISTED}" in skipped[0] and \
+    assert len(skipped) == 2 and f"__0_7.distcp, notes.txt: {UNLISTED}" in skipped[0] and \
         "not valid JSON" in skipped[1], resumed.stderr
 
 

@@ -38,7 +38,7 @@ def garbage_manifest(s: Storage, rel: str) -> None:
 
 def stray_shard(s: Storage, rel: str) -> None:
     """A shard the manifest does not list (left over, or copied in from elsewhere)."""
-    s.write_bytes(f"{rel}/__0_1.distcp", s.read_bytes(f"{rel}/__0_0.distcp"))
+    s.write_bytes(f"{rel}/__0_7.distcp", s.read_bytes(f"{rel}/__0_0.distcp"))
 
 
 def stray_rank_file(s: Storage, rel: str) -> None:
@@ -52,7 +52,7 @@ CORRUPTIONS = {
     delete_manifest: "manifest.json is missing",
     delete_shard: "__0_0.distcp: missing",
     garbage_manifest: "manifest.json: not valid JSON",
-    stray_shard: "__0_1.distcp: not listed in the manifest",
+    stray_shard: "__0_7.distcp: not listed in the manifest",
     stray_rank_file: "rank_00001.pt: not listed in the manifest",
 }
 

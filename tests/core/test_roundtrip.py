@@ -39,7 +39,8 @@ def test_manifest_records_step_epoch_and_metadata(local_backend):
         ckpt.save(7, make(), epoch=2, metadata={"run": "a"}, block=True)
     m = read_manifest(Storage(local_backend.url), 7)
     assert (m.step, m.epoch, m.world_size, m.metadata) == (7, 2, 1, {"run": "a"})
-    assert set(m.files) == {"rank_00000.pt", "metadata.json", "__0_0.distcp"} and m.format_version == 2
+    assert set(m.files) == {"rank_00000.pt", "metadata.json", "__0_0.distcp", "__0_1.distcp"}  # writers=2
+    assert m.format_version == 2
     assert all(f.checksum.startswith("crc32c:") and f.size > 0 for f in m.files.values())
     assert m.versions["torch"] == torch.__version__
 
