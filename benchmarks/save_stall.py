@@ -10,8 +10,9 @@ unmeasured (buffers allocated, the page cache recycling freed pages: the steady 
 - ``stall/floor``: against the staging-copy floor, the state's bytes copied into preallocated buffers
   (the least any asynchronous save must block to take a consistent copy; with ``--device cuda`` the
   pinned device-to-host copy of the same bytes);
-- ``durable/raw``: against ``raw write``, the same bytes written from memory with ``os.write`` into
-  one file and fsynced, measured in the same run (the floor of time to durable on this disk).
+- ``durable/raw``: against the better of ``raw write`` and ``raw write O_DIRECT``: the same bytes written
+  from memory with ``os.write`` into one file and fsynced, through the page cache or from one
+  page-aligned buffer with ``O_DIRECT``, measured in the same run (the floor of time to durable here).
 
     python benchmarks/save_stall.py                 # ~800 MB, CPU
     python benchmarks/save_stall.py --device cuda   # on a GPU machine
@@ -78,23 +79,37 @@ def tensors_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch
     return tensors + [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
 
 
-def bench_raw_write(model, opt, d: str, i: int) -> tuple[float, float]:
-    """The floor of time to durable: every tensor's bytes, already in host memory, written and fsynced."""
+def bench_raw_write(model, opt, d: str, i: int, direct: bool = False) -> tuple[float, float]:
+    """The floor of time to durable: every tensor's bytes, already in host memory, written into one file and
+    fsynced; with ``direct``, from one page-aligned buffer with ``O_DIRECT`` (no page cache)."""
     from ft_checkpoint.shards import byte_view
+    from ft_checkpoint.staging import Stager
 
-    host = [t.detach().cpu().contiguous() for t in tensors_of(model, opt)]  # not timed: staging is separate
+    tensors = tensors_of(model, opt)
+    if direct:  # not timed: staging is measured separately
+        stager = bench_raw_write.__dict__.setdefault("stager", Stager())
+        stager.stage({str(k): t for k, t in enumerate(tensors)})
+        views = [memoryview(stager.arena._mmap)]
+    else:
+        views = [byte_view(t.detach().cpu().contiguous()) for t in tensors]
     t0 = time.perf_counter()
-    fd = os.open(os.path.join(d, f"raw_{i}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+    fd = os.open(os.path.join(d, f"raw_{i}.bin"), flags, 0o644)
     try:
-        for t in host:
-            view = byte_view(t)
-            while view:
-                view = view[os.write(fd, view):]
+        for view in views:
+            for start in range(0, len(view), 16 << 20):
+                piece = view[start:start + (16 << 20)]
+                while piece:
+                    piece = piece[os.write(fd, piece):]
         os.fsync(fd)
     finally:
         os.close(fd)
     t = time.perf_counter() - t0
     return t, t
+
+
+def bench_raw_direct(model, opt, d: str, i: int) -> tuple[float, float]:
+    return bench_raw_write(model, opt, d, i, direct=True)
 
 
 def fsync_tree(path: str) -> None:
@@ -203,7 +218,7 @@ def main() -> None:
         rows[name] = samples[args.warmup:]
         shutil.rmtree(d)
     # the floor and ours interleaved, round by round: the disk and the page cache treat each alike
-    contenders = {"raw write": bench_raw_write,
+    contenders = {"raw write": bench_raw_write, "raw write O_DIRECT": bench_raw_direct,
                   **{f"ft-checkpoint {w}": Ours(model, opt, os.path.join(base, w), writer=w) for w in ("thread", "process")}}
     for name in contenders:
         os.makedirs(os.path.join(base, name), exist_ok=True)
@@ -213,7 +228,7 @@ def main() -> None:
             sample = timed(fn, model, opt, os.path.join(base, name), i)
             if isinstance(fn, Ours):
                 fn.settle()
-            if name == "raw write" and i >= 2:
+            if name.startswith("raw write") and i >= 2:
                 os.remove(os.path.join(base, name, f"raw_{i - 2}.bin"))  # two kept, as ours keeps two steps
             if i >= args.warmup:
                 rows[name].append(sample)
@@ -224,7 +239,7 @@ def main() -> None:
 
     med = {name: [statistics.median(x[k] for x in samples) for k in range(3)] for name, samples in rows.items()}
     cpu_min = {name: min(x[2] for x in samples) for name, samples in rows.items()}
-    raw = med["raw write"][1]
+    raw = min(med["raw write"][1], med["raw write O_DIRECT"][1])  # the better of the two floors
     print(f"\n{'method':<22}{'stall s':>9}{'durable s':>11}{'MB/s':>8}{'CPU s/GB':>10}{'(min)':>7}{'stall/floor':>13}"
           f"{'durable/raw':>13}")
     for name, (stall, durable, cpu) in med.items():
