@@ -25,10 +25,8 @@ Example:
 
 from __future__ import annotations
 
-import atexit
 import difflib
 import logging
-import sys
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -110,7 +108,6 @@ class FaultTolerantCheckpoint:
         self._step_hooks = [opt.register_step_post_hook(self._optimizer_stepped)
                             for opt in internals.optimizers(accelerator) if hasattr(opt, "register_step_post_hook")]
         self._closed = False
-        atexit.register(self._close_at_exit)
         self.resumed_from: int | None = self.manager.resume(self.state)
         """The global step resumed from, or None on a fresh start."""
         if self.resumed_from is not None:
@@ -253,25 +250,11 @@ class FaultTolerantCheckpoint:
         if values and self.accelerator.trackers:
             self.accelerator.log(values, step=self.global_step)
 
-    def _close_at_exit(self) -> None:
-        """At interpreter exit, if the program did not close it: a clean end unless an uncaught exception is
-        ending the program (the interpreter sets ``sys.last_value`` when it prints one)."""
-        if self._closed:
-            return
-        crashed = getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None
-        log.debug("closing at interpreter exit (%s)", "after an uncaught exception" if crashed else "a clean end")
-        self._release()
-        try:
-            self.manager.close(clean=not crashed)
-        except Exception:  # nothing can be raised to anyone at exit
-            log.exception("closing the checkpoint at interpreter exit failed")
-
     def _release(self) -> None:
-        """What only this hook holds: the optimizer hooks and the exit handler."""
+        """What only this hook holds: its optimizer step hooks (the manager closes itself at exit)."""
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self._close_at_exit)
         for handle in self._step_hooks:
             handle.remove()
 

@@ -115,6 +115,26 @@ def list_checkpoints(storage: Storage) -> Listing:
     return Listing(url=storage.url, steps=infos, resume_step=max(committed, default=None))
 
 
+def checkpoint_dirs_below(storage: Storage, limit: int = 5) -> list[str]:
+    """URLs of the directories right below ``storage`` that hold step directories (a Lightning
+    ``default_root_dir`` holds them in ``ft_checkpoints/``): what ``ls`` suggests when it finds none.
+
+    Example:
+        >>> s = Storage("memory://doc/root")
+        >>> s.write_bytes("ft_checkpoints/step_000000000010/manifest.json", b"{}")
+        >>> checkpoint_dirs_below(s)
+        ['memory://doc/root/ft_checkpoints']
+    """
+    found = []
+    for name, entry in sorted(storage.entries("").items()):
+        if entry.kind == "directory" and layout.parse_step(name) is None and name != layout.JOURNAL_DIR:
+            if any(layout.parse_step(n) is not None for n in storage.listdir(name)):
+                found.append(storage.url_of(name))
+        if len(found) >= limit:
+            break
+    return found
+
+
 # -- verify ------------------------------------------------------------------------------------
 def select_steps(listing: Listing, *, step: int | None = None, all_steps: bool = False) -> list[int]:
     """What ``verify`` checks: ``step``; with ``all_steps`` every step but partial ones (quarantined ones

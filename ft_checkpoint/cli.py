@@ -280,10 +280,15 @@ def emit(args: argparse.Namespace, data: Any, lines: list[str]) -> None:
 def cmd_ls(args: argparse.Namespace) -> int:
     from ft_checkpoint.catalog import list_checkpoints
 
-    listing = list_checkpoints(open_storage(args.dir))
+    storage = open_storage(args.dir)
+    listing = list_checkpoints(storage)
     pick = f"resume would pick step {listing.resume_step}" if listing.resume_step is not None else \
         "no committed step: a resume would start fresh"
     lines = [f"{listing.url}: {plural(len(listing.steps), 'step directory', 'step directories')}; {pick}"]
+    if not listing.steps:
+        from ft_checkpoint.catalog import checkpoint_dirs_below
+
+        lines += [f"HINT: checkpoints are in {url}: 'ft-checkpoint ls {url}'" for url in checkpoint_dirs_below(storage)]
     rows = [[str(i.step), i.status, utc(i.time), human_bytes(i.bytes), str(i.files),
              "-" if i.world_size is None else str(i.world_size),
              "<- resume" if i.step == listing.resume_step else i.reason or ""] for i in listing.steps]
@@ -400,8 +405,9 @@ def _report_lines(report: Any) -> list[str]:
              f"{plural(report.failures, 'failure')}, {plural(report.preemptions, 'preemption')}"]
     rows = []
     for n, a in enumerate(report.attempts, 1):
+        at_least = "" if a.recomputed_exact else ">="
         redo = "-" if a.recomputed_steps is None and not a.recomputed_s else \
-            f"{'?' if a.recomputed_steps is None else a.recomputed_steps} steps, {human(a.recomputed_s)}"
+            f"{'?' if a.recomputed_steps is None else at_least + str(a.recomputed_steps)} steps, {human(a.recomputed_s)}"
         rows.append([str(n), utc(a.start), human(a.duration_s), a.outcome,
                      f"{a.resumed_from or 0}->{'?' if a.last_step is None else a.last_step}", human(a.stall_s),
                      human(a.load_s), redo, "-" if a.gap_after_s is None else human(a.gap_after_s)])
@@ -409,7 +415,8 @@ def _report_lines(report: Any) -> list[str]:
                    rows, "><><>>>>>")
     t = report.totals()
     lines += [f"wall time {human(t['wall_s'])}: useful training {human(t['useful_s'])}, checkpoint stall "
-              f"{human(t['stall_s'])}, loading {human(t['load_s'])}, recomputed {t['recomputed_steps']} steps "
+              f"{human(t['stall_s'])}, loading {human(t['load_s'])}, recomputed "
+              f"{'' if t['recomputed_exact'] else 'at least '}{t['recomputed_steps']} steps "
               f"({human(t['recomputed_s'])}), restart gaps {human(t['gap_s'])}",
               "goodput " + ("n/a" if t["goodput"] is None else f"{100 * t['goodput']:.1f}%") + " (useful / wall)"]
     return lines + skipped

@@ -194,11 +194,14 @@ class CheckpointEngine:
     # -- saving --------------------------------------------------------------------------------
     def save(self, step: int, tree: dict[str, Any], *, per_rank: dict[str, Any] | None = None,
              manifest_fields: dict[str, Any] | None = None, listener: SaveListener | None = None,
-             called_at: float | None = None) -> SaveStats:
+             called_at: float | None = None, files: Mapping[str, FileWriter] | None = None) -> SaveStats:
         """Stage ``tree`` (tensors and plain values) and write it as step ``step``; returns once staged.
 
         ``per_rank`` is state kept in this rank's own file (RNG states, values that differ by rank), never
-        deduplicated across ranks. ``manifest_fields`` (epoch, metadata) go into the manifest.
+        deduplicated across ranks. ``manifest_fields`` (epoch, metadata) go into the manifest. ``files``
+        are this rank's files of its own (names unique across ranks), each written in the background by
+        its writer (``fn(f)`` writes into ``f``; it must use only what was staged before this call), with
+        its size and CRC-32C in the manifest like every other file.
         ``listener`` hears about the write (see :class:`SaveListener`). ``called_at`` (a
         ``time.perf_counter()`` value) is when the caller's save began, so the stall counts its work too.
         """
@@ -212,7 +215,8 @@ class CheckpointEngine:
         waited = time.perf_counter() - t0
         self.phase("staging", step)
         tensors, skeleton = split_tree(tree)
-        staged = {"tensors": self._stager.stage(tensors), "rank_file": _serialize(skeleton, per_rank or {})}
+        staged = {"tensors": self._stager.stage(tensors), "rank_file": _serialize(skeleton, per_rank or {}),
+                  "files": dict(files or {})}
         stats = SaveStats(step=step, stall=time.perf_counter() - t0, waited=waited)
         self.phase("staged", step)
         self._future = self._executor.submit(self._write_job(stats, staged, manifest_fields or {}, listener))
@@ -296,13 +300,15 @@ class CheckpointEngine:
         self.phase("writing", step)
         tensors = staged["tensors"]
         prints = {k: fingerprint(t) for k, t in tensors.items() if type(t).__name__ != "DTensor"}
-        shared = self._agree(step, lambda: (self._write_rank_file(rel, staged["rank_file"]), prints), gather=True)
-        _check_replicated([p for _, p in shared])
+        shared = self._agree(step, lambda: (self._write_rank_file(rel, staged["rank_file"]), prints,
+                                            self._write_files(rel, staged["files"])), gather=True)
+        _check_replicated([p for _, p, _ in shared])
+        own = _unique_files([f for _, _, f in shared])
         writer = shards.ShardWriter(self.storage, rel, rank=g.rank, writers=self.writers, sinks=self._sinks(),
                                     arena=self._stager.arena)
         dcp.save(tensors, storage_writer=writer, process_group=g.writer, no_dist=not g.distributed)
         self.phase("data_written", step)
-        files = {**writer.files, **{name: entry for (name, entry), _ in shared}}
+        files = {**writer.files, **{name: entry for (name, entry), _, _ in shared}, **own}
         return self._agree(step, lambda: self._commit(stats, files, fields, listener) if g.rank == 0 else None,
                            gather=True)[0]
 
@@ -366,6 +372,21 @@ class CheckpointEngine:
     def writer_pids(self) -> list[int]:
         """The writer processes' pids (``writer="process"``, once a save started them)."""
         return [p.pid for p in self._processes]
+
+    def _write_files(self, rel: str, files: dict[str, FileWriter]) -> dict[str, layout.FileEntry]:
+        """This rank's files of its own (see :meth:`save`): their entries for the manifest."""
+        out = {}
+        for name, produce in files.items():
+            if not layout.is_plain_name(name) or _reserved(name):
+                raise ConfigError(f"a state's own file may not be named {name!r}: use a plain name that is not "
+                                  "one of ft-checkpoint's (manifest.json, metadata.json, rank_*.pt, *.distcp)")
+            size, crc = self.storage.write_stream(f"{rel}/{name}", produce)
+            out[name] = layout.FileEntry(size=size, checksum=checksum.format_crc(crc))
+        return out
+
+    def read_file(self, manifest: layout.Manifest, name: str) -> bytes:
+        """A file of a step, checked against its size and checksum in the manifest (CheckpointCorruptError)."""
+        return self._read_checked(manifest, name)
 
     def _write_rank_file(self, rel: str, data: bytes) -> tuple[str, layout.FileEntry]:
         try:
@@ -472,6 +493,26 @@ class CheckpointEngine:
             raise StateMismatchError("the checkpoint's tensors do not fit the state: " + "; ".join(mismatched[:5])
                                      + (f" (and {len(mismatched) - 5} more)" if len(mismatched) > 5 else ""))
         return targets
+
+
+FileWriter = Callable[[Any], None]
+"""Writes one file's bytes into the file object it is given (``torch.save(obj, f)``, ``f.write(...)``)."""
+
+
+def _reserved(name: str) -> bool:
+    return name in (layout.MANIFEST, layout.METADATA, ".metadata") or name.endswith(".distcp") \
+        or (name.startswith("rank_") and name.endswith(".pt"))
+
+
+def _unique_files(per_rank: list[dict[str, layout.FileEntry]]) -> dict[str, layout.FileEntry]:
+    """Every rank's own files in one dict; a name written by two ranks is an error naming it."""
+    out: dict[str, layout.FileEntry] = {}
+    for files in per_rank:
+        clash = sorted(set(out) & set(files))
+        if clash:
+            raise ConfigError(f"two ranks wrote a file named {clash[0]!r}: each rank's own files need names of their own")
+        out.update(files)
+    return out
 
 
 def _serialize(skeleton: Any, per_rank: dict[str, Any]) -> bytes:

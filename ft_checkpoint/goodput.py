@@ -16,7 +16,9 @@ into
 ``goodput = useful / wall``. The journal cannot know when a killed process died: the time between its
 last sign of life and the kill counts as restart gap, and ``last_step`` is the last progress note,
 written at every save and at most every ``progress_interval`` (a config field, 10 s by default) in
-between, so it can trail the step really reached by up to that much training time.
+between, so after a failure it can trail the step really reached by up to that much training time: the
+report then says "at least N" steps (``recomputed_exact`` False); with ``progress_interval=0`` every
+step is noted and the count is exact.
 
 Example:
     >>> from ft_checkpoint.journal import Journal
@@ -59,6 +61,11 @@ class AttemptReport:
     recomputed_s: float = 0.0
     recomputed_since: float | None = None
     """When the lost span began (this attempt reached the step the next one resumed from)."""
+    recomputed_exact: bool = True
+    """Whether ``recomputed_steps`` is exact (the attempt noted every step: ``progress_interval=0``) or a
+    lower bound (its last progress note may trail the step it really reached)."""
+    progress_interval: float | None = None
+    """How often the attempt noted its progress (seconds; None if its journal does not say)."""
     gap_after_s: float | None = None
     saves: list[tuple[float, int]] = dataclasses.field(default_factory=list)
     """``(time, step)`` of each ``save_started``."""
@@ -115,6 +122,11 @@ class GoodputReport:
         return sum(a.recomputed_steps or 0 for a in self.attempts)
 
     @property
+    def recomputed_exact(self) -> bool:
+        """Whether :attr:`recomputed_steps` is exact, not a lower bound."""
+        return all(a.recomputed_exact for a in self.attempts if a.recomputed_steps is not None)
+
+    @property
     def gap_s(self) -> float:
         return sum(a.gap_after_s or 0.0 for a in self.attempts)
 
@@ -132,8 +144,8 @@ class GoodputReport:
         return self.useful_s / self.wall_s if self.wall_s > 0 else None
 
     def totals(self) -> dict[str, Any]:
-        names = ("wall_s", "useful_s", "stall_s", "load_s", "recomputed_s", "recomputed_steps", "gap_s",
-                 "failures", "preemptions", "goodput")
+        names = ("wall_s", "useful_s", "stall_s", "load_s", "recomputed_s", "recomputed_steps", "recomputed_exact",
+                 "gap_s", "failures", "preemptions", "goodput")
         return {"attempts": len(self.attempts), **{n: getattr(self, n) for n in names}}
 
     def to_dict(self) -> dict[str, Any]:
@@ -168,6 +180,8 @@ def _attempt(summary: dict[str, Any], events: list[dict[str, Any]]) -> AttemptRe
     a = AttemptReport(attempt=summary["attempt"], start=summary["start"], end=summary["end"], outcome=outcome,
                       last_step=summary.get("last_step"))
     for e in events:
+        if e["event"] == "attempt_start" and isinstance(e.get("progress_interval"), (int, float)):
+            a.progress_interval = float(e["progress_interval"])
         if e["event"] == "resume":
             a.resumed_from, a.resumed_at, a.load_s = e.get("step"), e["time"], float(e.get("seconds") or 0.0)
         elif e["event"] == "save_started":
@@ -186,6 +200,7 @@ def _charge_restart(before: AttemptReport, after: AttemptReport) -> None:
     resumed = after.resumed_from or 0
     if before.last_step is not None:
         before.recomputed_steps = max(0, before.last_step - resumed)
+        before.recomputed_exact = before.outcome != FAILED or before.progress_interval == 0
     if before.recomputed_steps == 0:
         return
     reached = next((t for t, step in before.saves if step == resumed), None)

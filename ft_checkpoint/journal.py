@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ft_checkpoint import jsonfile
+from ft_checkpoint.background import submit
 from ft_checkpoint.errors import StorageError
 from ft_checkpoint.layout import JOURNAL_DIR
 from ft_checkpoint.storage import Storage
@@ -96,7 +97,7 @@ class Journal:
                 self._progress_again = True
                 return
             self._progress_busy = True
-        self._writer.submit(self._progress_loop)
+        submit(self._writer, self._progress_loop)
 
     def _progress_loop(self) -> None:
         while True:
@@ -137,7 +138,7 @@ class Journal:
         if event == "attempt_start":
             body.update(host=socket.gethostname(), pid=os.getpid(), env=launcher_env())
         if background:
-            self._writer.submit(self._write_event, seq, event, body)
+            submit(self._writer, self._write_event, seq, event, body)
         else:
             self._write_event(seq, event, body)
 

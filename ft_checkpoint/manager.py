@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import sys
 import time
@@ -25,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ft_checkpoint import layout
+from ft_checkpoint.background import submit
 from ft_checkpoint.config import CheckpointConfig, parse_duration
 from ft_checkpoint.cost import CostMeter
 from ft_checkpoint.dist import Groups
@@ -45,7 +47,14 @@ from ft_checkpoint.preemption import PreemptionWatcher
 from ft_checkpoint.resume import check_for_resume, resume_newest
 from ft_checkpoint.retention import apply_retention
 from ft_checkpoint.slurm import SlurmJob, requeue
-from ft_checkpoint.state import load_tree_into, rng_state, set_rng_state, to_tree
+from ft_checkpoint.state import (
+    load_tree_into,
+    rng_state,
+    set_rng_state,
+    split_participants,
+    stage_participants,
+    to_tree,
+)
 from ft_checkpoint.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -106,6 +115,10 @@ class CheckpointManager:
     ``save``/``close`` at the same steps (the step-based policies guarantee it; time-based ones are
     decided by rank 0 and broadcast).
 
+    Closing: ``with CheckpointManager(...)`` or ``close()`` waits for the last save and records a clean end;
+    a manager still open at interpreter exit is closed then (a clean end unless an uncaught exception is
+    ending the program).
+
     Preemption: the signals in ``preemption_signals`` (SIGTERM, SIGUSR1) and, on Slurm, the job's
     time limit only raise a flag; at the next ``maybe_save`` every rank agrees, the step is saved
     and committed, the journal records the preemption, a Slurm job is requeued (rank 0), and
@@ -143,6 +156,7 @@ class CheckpointManager:
         self.watcher = PreemptionWatcher(c.preemption_signals, end_time=self.slurm and self.slurm.end_time,
                                          margin=parse_duration(c.end_time_margin))
         self.journal.record("attempt_start", world_size=self.groups.world_size,
+                            progress_interval=parse_duration(c.progress_interval),
                             preemption_signals=self.watcher.signals)
         if self.adaptive is not None and self.rank == 0:
             self._learn_failures()
@@ -163,6 +177,7 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         self._cost = CostMeter()
         self._cleanup = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-checkpoint-retention")
+        atexit.register(self._close_at_exit)
         self._closed = False
 
     def _learn_failures(self) -> None:
@@ -283,8 +298,10 @@ class CheckpointManager:
         self.journal.progress(step, force=True)
         ranked = {"rng": rng_state() if self.config.save_rng_state else None,
                   "state": to_tree(per_rank) if per_rank is not None else None}
-        stats = self.engine.save(step, to_tree(state), per_rank=ranked,
-                                 manifest_fields={"epoch": epoch, "metadata": dict(metadata or {})},
+        plain, participants = split_participants(state)
+        files, described = stage_participants(participants)
+        stats = self.engine.save(step, to_tree(plain), per_rank=ranked, files=files,
+                                 manifest_fields={"epoch": epoch, "metadata": {**described, **(metadata or {})}},
                                  listener=self._events, called_at=called_at)
         self.last_save = stats
         self._last_save_time = time.monotonic()
@@ -332,7 +349,7 @@ class CheckpointManager:
                             duration=stats.duration, bytes=stats.bytes, background=True)
         log.info("committed step %d to %s: %s, stall %.3f s, durable after %.2f s", stats.step,
                  self.storage.url, layout.human_bytes(stats.bytes or 0), stats.stall, stats.duration or 0.0)
-        self._cleanup.submit(self._retention, stats.step)  # off the save's path: the next save need not wait
+        submit(self._cleanup, self._retention, stats.step)  # off the save's path: the next save need not wait
         if self.adaptive is not None:
             self.adaptive.observe_save(cost=self._cost.cost(stats.stall), durable=stats.duration or 0.0)
             self.journal.save_cost = self.adaptive.cost
@@ -445,7 +462,8 @@ class CheckpointManager:
     def _load(self, opened: OpenedStep, state: dict[str, Any], per_rank: dict[str, Any] | None,
               check: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
         """Load one opened step into ``state`` (and ``per_rank``); returns what the rank file held per rank."""
-        tree, ranked = self.engine.load(opened, to_tree(state))
+        plain, participants = split_participants(state)
+        tree, ranked = self.engine.load(opened, to_tree(plain))
         if check is not None:
             check(tree)
         ranked = {"rng": ranked.get("rng"), "state": ranked.get("state")}  # 0.1's rank files hold only "rng"
@@ -454,7 +472,10 @@ class CheckpointManager:
                 raise StateMismatchError("the checkpoint has no per-rank state, but per_rank= was passed. "
                                          "HINT: pass the same per_rank keys to resume() as to save()")
             _warn_unused(load_tree_into(per_rank, ranked["state"]), "per_rank", self.rank)
-        _warn_unused(load_tree_into(state, tree), "state", self.rank)
+        _warn_unused(load_tree_into(plain, tree), "state", self.rank)
+        state.update(plain)  # values replaced (not loaded in place) go back into the caller's dict
+        for participant in participants.values():
+            participant.load_files(lambda name: self.engine.read_file(opened.manifest, name))
         return ranked
 
     def latest(self) -> int | None:
@@ -472,13 +493,14 @@ class CheckpointManager:
             return None
         finally:
             if retention:
-                self._cleanup.submit(lambda: None).result()
+                submit(self._cleanup, lambda: None).result()
 
     def close(self, *, clean: bool = True) -> None:
         """Drain the save in flight, then release the writer. ``clean`` records a clean end in the journal."""
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self._close_at_exit)
         try:
             self.wait()  # a failed drain raises here (on_save_error="raise"): that is no clean end
         finally:
@@ -490,6 +512,17 @@ class CheckpointManager:
                 self.lease.release()
         if clean:
             self.journal.record("clean_end", last_step=self.last_save.step if self.last_save else None)
+
+    def _close_at_exit(self) -> None:
+        """At interpreter exit, if the program did not close the manager (a loop without ``with`` or
+        ``close()``): a clean end, unless an uncaught exception is ending the program (the interpreter sets
+        ``sys.last_value`` when it prints one), so that a forgotten close is not counted as a failure."""
+        crashed = getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None
+        log.debug("closing at interpreter exit (%s)", "after an uncaught exception" if crashed else "a clean end")
+        try:
+            self.close(clean=not crashed)
+        except Exception:  # nothing can be raised to anyone at exit
+            log.exception("closing the checkpoint manager at interpreter exit failed")
 
     def __enter__(self) -> CheckpointManager:
         return self

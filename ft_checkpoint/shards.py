@@ -183,8 +183,8 @@ class ShardWriter(StorageWriter):
                 raise SaveError(f"{item.index.fqn}: only tensors go to shard files (other values go to the rank file)")
         bins = _bins(plan.items, self.writers)
         jobs = [(f"__{self.rank}_{i}.distcp", items, self.sinks[i % len(self.sinks)]) for i, items in enumerate(bins)]
-        if len(jobs) == 1:
-            results = [self._write_file(*jobs[0], planner)]
+        if len(jobs) <= 1:
+            results = [self._write_file(*job, planner) for job in jobs]
         else:
             with ThreadPoolExecutor(len(jobs), thread_name_prefix="ft-checkpoint-shard") as pool:
                 results = list(pool.map(lambda job: self._write_file(*job, planner), jobs))

@@ -111,6 +111,8 @@ class Stager:
 
     def stage(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copies of ``tensors`` (a flat dict) in the arena; blocks until every copy is done."""
+        if not tensors:
+            return {}
         layout = [(k, _local(t).shape, t.dtype) for k, t in tensors.items()]
         if layout != self._layout:
             self._allocate(layout)

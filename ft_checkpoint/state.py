@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import torch
 
@@ -34,6 +34,48 @@ Path = tuple[Any, ...]
 def is_stateful(obj: Any) -> bool:
     """Whether ``obj`` has callable ``state_dict`` and ``load_state_dict`` (DCP's Stateful)."""
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+class FilesParticipant(Protocol):
+    """A part of the state that saves itself as files of its own (a DeepSpeed engine writes its own files),
+    written, checksummed and committed by ft-checkpoint like the rest of a step."""
+
+    def stage_files(self) -> dict[str, Callable[[Any], None]]:
+        """At a save, on the training thread: copy what the files need out of the training's way, and return
+        ``{file name: writer}``; each writer later writes its file into the file object it is given, in the
+        background. Names are plain and unique across ranks."""
+
+    def load_files(self, read: Callable[[str], bytes]) -> None:
+        """At a resume: load the state from the step's files; ``read(name)`` returns a file's bytes, checked
+        against the manifest. Raise CheckpointCorruptError or StateMismatchError to have the step skipped."""
+
+
+def is_files_participant(obj: Any) -> bool:
+    """Whether ``obj`` saves itself as files of its own (see :class:`FilesParticipant`)."""
+    return callable(getattr(obj, "stage_files", None)) and callable(getattr(obj, "load_files", None))
+
+
+def split_participants(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(the rest of state, its files participants)``, by key."""
+    parts = {k: v for k, v in state.items() if is_files_participant(v)}
+    return {k: v for k, v in state.items() if k not in parts}, parts
+
+
+def stage_participants(parts: Mapping[str, Any]) -> tuple[dict[str, Callable[[Any], None]], dict[str, Any]]:
+    """Every participant's staged files (a name used twice is a ConfigError) and what each says of itself
+    for the manifest's metadata (``describe()``, if it has one), by key."""
+    files: dict[str, Callable[[Any], None]] = {}
+    described = {}
+    for key, part in parts.items():
+        staged = part.stage_files()
+        clash = sorted(set(files) & set(staged))
+        if clash:
+            raise ConfigError(f"state[{key!r}] stages a file named {clash[0]!r}, which another part of the state "
+                              "stages too")
+        files.update(staged)
+        if callable(getattr(part, "describe", None)):
+            described[key] = part.describe()
+    return files, described
 
 
 def to_tree(state: Mapping[str, Any]) -> dict[str, Any]:

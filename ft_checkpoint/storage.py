@@ -146,6 +146,25 @@ def _open_direct(path: str) -> Any:
     return open(fd, "wb", buffering=0)
 
 
+class _CountingWriter:
+    """A write-only file that passes everything to ``f``, counting the bytes and their CRC-32C."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.size, self.crc = f, 0, 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        _write_all(self.f, view)
+        self.size, self.crc = self.size + len(view), crc32c_of(view, self.crc)
+        return len(view)
+
+    def flush(self) -> None:
+        pass
+
+    def writable(self) -> bool:
+        return True
+
+
 def _write_all(f: Any, view: memoryview) -> None:
     while view:
         n = f.write(view)
@@ -329,6 +348,23 @@ class Storage:
                         crc = crc32c_of(piece[:n - start], crc)
                 crcs.append(crc)
         return crcs
+
+    def write_stream(self, rel: str, produce: Callable[[Any], None]) -> tuple[int, int]:
+        """Write the file ``rel`` with ``produce(f)`` (which writes into ``f``, e.g. ``torch.save(obj, f)``),
+        fsynced on local disk; returns ``(size, CRC-32C)``, computed over the bytes as they are written.
+        The whole file is produced again on a transient error.
+
+        Example:
+            >>> Storage("memory://doc/stream").write_stream("f.bin", lambda f: f.write(b"abc")) == (3, crc32c_of(b"abc"))
+            True
+        """
+        def once() -> tuple[int, int]:
+            with self.open_write(rel) as f:
+                counted = _CountingWriter(f)
+                produce(counted)
+            return counted.size, counted.crc
+
+        return self._call("write", rel, once)
 
     @contextlib.contextmanager
     def open_read(self, rel: str) -> Iterator[Any]:

@@ -15,11 +15,11 @@ from tests.cli.conftest import cli
 from tests.helpers import garbage_journal as garbage
 
 
-def attempt(storage: Storage, *events: tuple, progress: int | None = None) -> str:
-    """Write one attempt's journal: ``(event, fields)`` pairs, then its progress note."""
+def attempt(storage: Storage, *events: tuple, progress: int | None = None, every: float = 10.0) -> str:
+    """Write one attempt's journal: ``(event, fields)`` pairs, then its progress note (noted every ``every`` s)."""
     time.sleep(0.002)  # attempt ids sort by start time
     journal = Journal(storage, attempt=new_attempt_id())
-    journal.record("attempt_start", world_size=1)
+    journal.record("attempt_start", world_size=1, progress_interval=every)
     for event, fields in events:
         time.sleep(0.002)
         journal.record(event, **fields)
@@ -48,7 +48,18 @@ def test_failure_then_preemption_then_clean_end(tmp_path):
     assert report.recomputed_steps == 15
 
     text = cli("report", s.url).stdout
-    assert "3 attempts, 1 failure, 1 preemption" in text and "15 steps" in text
+    assert "3 attempts, 1 failure, 1 preemption" in text and ">=15 steps" in text
+    assert "recomputed at least 15 steps" in text, "progress noted every 10 s: the count is a lower bound"
+
+
+def test_recomputed_steps_are_exact_when_every_step_was_noted(tmp_path):
+    s = Storage(str(tmp_path / "run"))
+    attempt(s, ("save_started", {"step": 10, "stall": 0.1}), progress=16, every=0)
+    attempt(s, ("resume", {"step": 10, "seconds": 0.5}), ("clean_end", {}), progress=20, every=0)
+    report = goodput_report(s)
+    assert report.attempts[0].recomputed_steps == 6 and report.recomputed_exact
+    text = cli("report", s.url).stdout
+    assert "recomputed 6 steps" in text and ">=" not in text
 
 
 def test_a_fresh_restart_recomputes_everything_and_unknown_progress_stays_unknown(tmp_path):
