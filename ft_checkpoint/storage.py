@@ -24,11 +24,13 @@ Example:
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import errno
 import logging
 import os
 import posixpath
+import struct
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, TypeVar
@@ -37,7 +39,7 @@ import fsspec
 import tenacity
 from fsspec.core import url_to_fs
 
-from ft_checkpoint.checksum import crc32c_of
+from ft_checkpoint.checksum import combine, crc32c_of
 from ft_checkpoint.errors import (
     ConfigError,
     FTCheckpointError,
@@ -131,6 +133,10 @@ def make_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> 
         ) from e
 
 
+class StoredChecksumMismatch(ConnectionError):
+    """The store's own checksum of an object differs from ours: the bytes changed on the way (retried)."""
+
+
 def _open_direct(path: str) -> Any:
     """``path`` opened for writing with ``O_DIRECT``, or None where the OS or filesystem refuses it (tmpfs)."""
     flag = getattr(os, "O_DIRECT", 0)
@@ -205,6 +211,7 @@ class Storage:
         self.backoff = backoff
         protocols = _protocols(self.fs)
         self.is_local = bool(protocols & _LOCAL_PROTOCOLS)
+        self._stores_crc32c = bool(protocols & {"gs", "gcs"})  # GCS keeps a CRC-32C of every object
         self._bucketed = bool(protocols & _BUCKET_PROTOCOLS)
         # Plain read-ahead for streamed reads: gcsfs 2026.10's default "adaptive" background
         # prefetcher was seen to hang on repeated reads of the same object.
@@ -287,6 +294,23 @@ class Storage:
 
     def _put(self, rel: str, data: bytes) -> None:
         self.fs.pipe_file(self.path(rel), data)
+        self._check_stored(rel, len(data), crc32c_of(data))
+
+    def _check_stored(self, rel: str, size: int, crc: int) -> None:
+        """Where the store keeps its own CRC-32C of an object (GCS), compare it with ours: end-to-end integrity of
+        what was stored, without reading it back. A mismatch is retried as a transient error (the whole object
+        is written again)."""
+        if not self._stores_crc32c:
+            return
+        path = self.path(rel)
+        self.fs.invalidate_cache(path)
+        stored = self.fs.info(path).get("crc32c")
+        if stored is None:
+            return
+        ours = base64.b64encode(struct.pack(">I", crc)).decode()
+        if stored != ours:
+            raise StoredChecksumMismatch(f"{self.url_of(rel)}: the store's CRC-32C of the object ({stored}) is not "
+                                         f"that of the {size} bytes written ({ours}): corrupted on the way")
 
     def _write_local(self, rel: str, data: bytes) -> None:
         final = self.path(rel)
@@ -337,7 +361,7 @@ class Storage:
 
     def _write_views_once(self, rel: str, views: list[memoryview], lengths: list[int] | None,
                           direct: bool) -> list[int]:
-        crcs = []
+        crcs, whole, size = [], 0, 0
         with self.open_write(rel, direct=direct) as f:
             for i, view in enumerate(views):
                 crc, n = 0, len(view) if lengths is None else lengths[i]
@@ -347,6 +371,10 @@ class Storage:
                     if start < n:
                         crc = crc32c_of(piece[:n - start], crc)
                 crcs.append(crc)
+                if len(view) == n:  # no padding (object stores): the object's CRC follows from the views'
+                    whole, size = combine(whole, crc, n), size + n
+        if not self.is_local and size == sum(len(v) for v in views):
+            self._check_stored(rel, size, whole)
         return crcs
 
     def write_stream(self, rel: str, produce: Callable[[Any], None]) -> tuple[int, int]:
@@ -362,6 +390,8 @@ class Storage:
             with self.open_write(rel) as f:
                 counted = _CountingWriter(f)
                 produce(counted)
+            if not self.is_local:
+                self._check_stored(rel, counted.size, counted.crc)
             return counted.size, counted.crc
 
         return self._call("write", rel, once)

@@ -143,3 +143,21 @@ def test_is_transient_looks_at_http_status_and_causes():
             raise RuntimeError("wrapped") from inner
     except RuntimeError as outer:
         assert is_transient(outer)
+
+
+def test_gcs_stored_crc32c_is_compared_with_ours(request, tmp_path):
+    """GCS keeps a CRC-32C of every object: a write compares it with the CRC of the bytes it sent, so bytes
+    changed on the way are caught (and the write retried) before the commit, without reading them back."""
+    from tests.conftest import _make_backend
+
+    from ft_checkpoint.checksum import crc32c_of
+    from ft_checkpoint.storage import StoredChecksumMismatch
+
+    backend = _make_backend("gcs", request, tmp_path)
+    s = Storage(backend.url, backend.storage_options, retries=1)
+    s.ensure_root()
+    s.write_views("a.bin", [memoryview(b"hello "), memoryview(b"world")])  # compared, and equal
+    s.fs.pipe_file(s.path("b.bin"), b"what the store got")
+    s._check_stored("b.bin", 18, crc32c_of(b"what the store got"))
+    with pytest.raises(StoredChecksumMismatch, match="corrupted on the way"):
+        s._check_stored("b.bin", 13, crc32c_of(b"what was sent"))
