@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "CheckpointConfig": "ft_checkpoint.config",
-    "parse_duration": "ft_checkpoint.config",
+    "parse_duration": "ft_checkpoint.units",
     "CheckpointManager": "ft_checkpoint.manager",
     "CheckpointEngine": "ft_checkpoint.engine",
     "SaveStats": "ft_checkpoint.engine",
@@ -48,7 +48,8 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
-    from ft_checkpoint.config import CheckpointConfig, parse_duration
+    from ft_checkpoint.config import CheckpointConfig
+    from ft_checkpoint.units import parse_duration
     from ft_checkpoint.engine import CheckpointEngine, SaveStats
     from ft_checkpoint.errors import (
         CheckpointCorruptError,

@@ -29,8 +29,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ft_checkpoint.errors import ConfigError
-from ft_checkpoint.jsonfile import is_int, is_number, short
-from ft_checkpoint.preemption import parse_signal
+from ft_checkpoint.jsonfile import is_int, is_number
+from ft_checkpoint.units import parse_duration, parse_signal, short
 
 ENV_PREFIX = "FT_CHECKPOINT_"
 ENV_CONFIG_FILE = "FT_CHECKPOINT_CONFIG"
@@ -44,38 +44,7 @@ MAX_RETRIES = 1000
 MIN_GPU_FAILURE_RATE = 1e-12
 """The smallest prior failure rate per GPU-second (one failure in 31,700 GPU-years)."""
 MAX_CONFIG_FILE = 1 << 20
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$", re.ASCII)
-_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
-
-
-def parse_duration(value: int | float | str | datetime.timedelta) -> float:
-    """Seconds from a number of seconds, a ``timedelta`` or a string such as ``"30s"``, ``"5m"``, ``"6h"``, ``"2d"``
-    (a bare number in a string, as env vars give it, is seconds). ValueError for anything else, and for
-    ``nan`` and ``inf``: a duration is finite.
-
-    Example:
-        >>> parse_duration("5m"), parse_duration(datetime.timedelta(hours=1)), parse_duration(90)
-        (300.0, 3600.0, 90.0)
-    """
-    seconds = None
-    if isinstance(value, datetime.timedelta):
-        seconds = value.total_seconds()
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        try:
-            seconds = float(value)
-        except OverflowError:
-            seconds = math.inf
-    elif isinstance(value, str):
-        m = _DURATION_RE.match(value)
-        if m:
-            seconds = float(m.group(1)) * _UNITS[m.group(2) or "s"]
-    if seconds is None:
-        raise ValueError(f"{short(value)} is not a duration: use seconds, a timedelta, or a string like '30s', "
-                         "'5m', '6h', '2d'")
-    if not math.isfinite(seconds):
-        raise ValueError(f"{short(value)} is not a finite duration")
-    return seconds
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -22,29 +22,12 @@ from __future__ import annotations
 
 import json
 import math
-import reprlib
 from typing import Any
+
+from ft_checkpoint.units import short
 
 MAX_BYTES = 1 << 20
 """The largest control file read (bytes): a lease, an event or a progress note is a few hundred."""
-
-_REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxother = 60
-_REPR.maxlong = 40
-
-
-def short(value: Any) -> str:
-    """A ``repr`` of bounded length and depth, safe for any value a file or a caller can produce.
-
-    Example:
-        >>> short("x" * 1000)[:12], len(short("x" * 1000)) < 80
-        ("'xxxxxxxxxxx", True)
-    """
-    try:
-        return _REPR.repr(value)
-    except Exception:  # a hostile __repr__: name the type instead
-        return f"<{type(value).__name__}>"
-
 
 def load_object(data: bytes, *, max_bytes: int = MAX_BYTES) -> dict[str, Any]:
     """The JSON object in ``data``; ValueError naming what is wrong with it otherwise.

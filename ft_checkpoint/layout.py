@@ -39,6 +39,7 @@ from typing import Any
 from ft_checkpoint import checksum as crc
 from ft_checkpoint.errors import CheckpointCorruptError, StorageNotFoundError
 from ft_checkpoint.storage import Storage
+from ft_checkpoint.units import short
 
 log = logging.getLogger(__name__)
 
@@ -82,20 +83,6 @@ def is_plain_name(name: Any) -> bool:
     """
     return (isinstance(name, str) and bool(_SAFE_NAME_RE.fullmatch(name)) and name not in (".", "..")
             and name != MANIFEST and len(name) <= 255)
-
-
-def human_bytes(n: float) -> str:
-    """A size for people, in decimal units.
-
-    Example:
-        >>> human_bytes(8_400_000), human_bytes(512)
-        ('8.4 MB', '512 B')
-    """
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
-        n /= 1000
-    return f"{n} B"
 
 
 def checksum(chunks: Iterable[Any]) -> str:
@@ -188,7 +175,7 @@ def _is_int(v: Any) -> bool:
 def _checked_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
     """The manifest's fields, each type-checked; CheckpointCorruptError naming the first bad one."""
     def bad(field: str, expected: str) -> CheckpointCorruptError:
-        return CheckpointCorruptError(f"{where}: field {field!r} is {_short(d.get(field))}: expected {expected}")
+        return CheckpointCorruptError(f"{where}: field {field!r} is {short(d.get(field))}: expected {expected}")
 
     known = {f.name for f in dataclasses.fields(Manifest)}
     unknown = sorted(set(d) - known)
@@ -218,23 +205,18 @@ def _checked_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
 
 def _file_entry(name: Any, entry: Any, where: str) -> FileEntry:
     if not is_plain_name(name):
-        raise CheckpointCorruptError(f"{where}: file name {_short(name)} is not a plain name inside the step "
+        raise CheckpointCorruptError(f"{where}: file name {short(name)} is not a plain name inside the step "
                                      "directory; refusing it")
     if not isinstance(entry, dict) or set(entry) != {"size", "checksum"}:
-        raise CheckpointCorruptError(f"{where}: the entry of {name} is {_short(entry)}: expected "
+        raise CheckpointCorruptError(f"{where}: the entry of {name} is {short(entry)}: expected "
                                      '{"size": <int>, "checksum": <str>}')
     size, check = entry["size"], entry["checksum"]
     if not _is_int(size) or size < 0:
-        raise CheckpointCorruptError(f"{where}: the size of {name} is {_short(size)}: expected an integer >= 0")
+        raise CheckpointCorruptError(f"{where}: the size of {name} is {short(size)}: expected an integer >= 0")
     if not crc.is_valid(check):
-        raise CheckpointCorruptError(f"{where}: the checksum of {name} is {_short(check)}: expected "
+        raise CheckpointCorruptError(f"{where}: the checksum of {name} is {short(check)}: expected "
                                      "'crc32c:<8 hex digits>' or 'sha256:<64 hex digits>'")
     return FileEntry(size=size, checksum=check)
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 # -- listing -----------------------------------------------------------------------------------

@@ -26,17 +26,17 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ft_checkpoint import layout
+from ft_checkpoint.adaptive.failures import count_failures
+from ft_checkpoint.adaptive.policy import AdaptiveInterval
 from ft_checkpoint.background import submit
-from ft_checkpoint.config import CheckpointConfig, parse_duration
+from ft_checkpoint.config import CheckpointConfig
 from ft_checkpoint.cost import CostMeter
 from ft_checkpoint.dist import Groups
 from ft_checkpoint.engine import CheckpointEngine, OpenedStep, SaveStats
 from ft_checkpoint.errors import ConfigError, LeaseError, Preempted, SaveError, StateMismatchError, StorageError
-from ft_checkpoint.failures import count_failures
 from ft_checkpoint.journal import Journal, attempt_summaries
 from ft_checkpoint.lease import Lease
 from ft_checkpoint.policy import (
-    AdaptiveInterval,
     EveryInterval,
     EveryNSteps,
     SaveContext,
@@ -56,15 +56,9 @@ from ft_checkpoint.state import (
     to_tree,
 )
 from ft_checkpoint.storage import Storage
+from ft_checkpoint.units import human_bytes, human_seconds, parse_duration
 
 log = logging.getLogger(__name__)
-
-
-def _human_seconds(seconds: float) -> str:
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.3g} {unit}"
-    return f"{seconds:.3g} s"
 
 
 def _warn_unused(keys: list[str], what: str, rank: int) -> None:
@@ -348,7 +342,7 @@ class CheckpointManager:
         self.journal.record("commit", step=stats.step, stall=stats.stall, waited=stats.waited,
                             duration=stats.duration, bytes=stats.bytes, background=True)
         log.info("committed step %d to %s: %s, stall %.3f s, durable after %.2f s", stats.step,
-                 self.storage.url, layout.human_bytes(stats.bytes or 0), stats.stall, stats.duration or 0.0)
+                 self.storage.url, human_bytes(stats.bytes or 0), stats.stall, stats.duration or 0.0)
         submit(self._cleanup, self._retention, stats.step)  # off the save's path: the next save need not wait
         if self.adaptive is not None:
             self.adaptive.observe_save(cost=self._cost.cost(stats.stall), durable=stats.duration or 0.0)
@@ -402,14 +396,14 @@ class CheckpointManager:
         if self.adaptive is not None:
             d = self.adaptive.last_decision
             due = d["interval_s"]
-            return (f"adaptive interval: the first save comes about {_human_seconds(due)} in (save cost "
+            return (f"adaptive interval: the first save comes about {human_seconds(due)} in (save cost "
                     f"{'guessed' if self.adaptive.cost is None else 'measured'} {d['cost_s']:.3g} s, MTBF "
-                    f"{_human_seconds(d['mtbf_s'])}); a shorter run saves only on a preemption notice. HINT: set "
+                    f"{human_seconds(d['mtbf_s'])}); a shorter run saves only on a preemption notice. HINT: set "
                     "interval= (steps or a duration) to choose")
         if isinstance(fixed, EveryNSteps):
             return f"a save every {fixed.n} steps"
         if isinstance(fixed, EveryInterval):
-            return f"a save every {_human_seconds(fixed.seconds)}"
+            return f"a save every {human_seconds(fixed.seconds)}"
         return f"saves when {self.policy!r} says so"
 
     def _announce_start(self, detail: str | None = None) -> None:
@@ -455,8 +449,8 @@ class CheckpointManager:
         self.journal.record("resume", step=manifest.step, seconds=seconds, bytes=manifest.total_bytes)
         if self.rank == 0:
             log.info("resuming from step %d (%s): %s verified and loaded in %.1f s", manifest.step,
-                     self.storage.url_of(layout.step_dir(manifest.step)), layout.human_bytes(manifest.total_bytes), seconds)
-        self._announce_start(f"{layout.human_bytes(manifest.total_bytes)} verified and loaded in {seconds:.1f} s")
+                     self.storage.url_of(layout.step_dir(manifest.step)), human_bytes(manifest.total_bytes), seconds)
+        self._announce_start(f"{human_bytes(manifest.total_bytes)} verified and loaded in {seconds:.1f} s")
         return manifest.step
 
     def _load(self, opened: OpenedStep, state: dict[str, Any], per_rank: dict[str, Any] | None,

@@ -29,32 +29,11 @@ from collections.abc import Iterable
 from types import FrameType
 from typing import Any
 
-from ft_checkpoint.errors import ConfigError
+from ft_checkpoint.units import parse_signal
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
-
-
-def parse_signal(name: str | int) -> signal.Signals:
-    """``"SIGUSR1"``, ``"USR1"``, ``"usr1"`` or ``10`` as a :class:`signal.Signals`; ConfigError otherwise.
-
-    Example:
-        >>> parse_signal("usr1").name, parse_signal("SIGTERM").name
-        ('SIGUSR1', 'SIGTERM')
-    """
-    try:
-        if isinstance(name, int) and not isinstance(name, bool):
-            sig = signal.Signals(name)
-        else:
-            text = str(name).strip().upper()
-            sig = signal.Signals[text if text.startswith("SIG") else "SIG" + text]
-    except (KeyError, ValueError):
-        raise ConfigError(f"preemption_signals: {name!r} is not a signal. HINT: use names such as "
-                          "'SIGTERM', 'SIGUSR1', 'SIGUSR2'") from None
-    if sig in (signal.SIGKILL, signal.SIGSTOP):
-        raise ConfigError(f"preemption_signals: {sig.name} cannot be caught; use SIGTERM or SIGUSR1")
-    return sig
 
 
 class PreemptionWatcher:

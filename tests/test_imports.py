@@ -27,7 +27,7 @@ def test_core_imports_without_lightning_or_accelerate():
     run_blocked({"lightning", "pytorch_lightning", "accelerate"}, """
 import ft_checkpoint
 from ft_checkpoint import CheckpointManager, CheckpointConfig, Storage
-import ft_checkpoint.cli, ft_checkpoint.engine, ft_checkpoint.manager
+import ft_checkpoint.tools.cli, ft_checkpoint.engine, ft_checkpoint.manager
 m = CheckpointManager("memory://imports", interval=5); m.close()
 """)
 

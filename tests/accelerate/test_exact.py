@@ -14,7 +14,7 @@ import os
 import pytest
 
 from ft_checkpoint import layout, read_journal
-from ft_checkpoint.failures import count_failures
+from ft_checkpoint.adaptive.failures import count_failures
 from ft_checkpoint.journal import attempt_summaries
 from ft_checkpoint.lease import LEASE
 from ft_checkpoint.storage import Storage

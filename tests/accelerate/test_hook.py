@@ -18,7 +18,7 @@ from accelerate.tracking import GeneralTracker
 
 from accelerate_ft import FaultTolerantCheckpoint, FaultTolerantCheckpointPlugin
 from ft_checkpoint import CheckpointConfig, ConfigError, layout
-from ft_checkpoint.policy import AdaptiveInterval
+from ft_checkpoint.adaptive.policy import AdaptiveInterval
 
 EXAMPLE_YAML = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "accelerate_ft.yaml")
 

@@ -22,7 +22,7 @@ HANG_AT, INTERVAL, STEPS = 30, 10, 40
 
 def cli(*args: Any, env: dict[str, str | None] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run the real ``ft-checkpoint`` console entry point as a subprocess (``env`` values of None unset)."""
-    cmd = [sys.executable, "-m", "ft_checkpoint.cli", *map(str, args)]
+    cmd = [sys.executable, "-m", "ft_checkpoint.tools.cli", *map(str, args)]
     full = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=full)
 

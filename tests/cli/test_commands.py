@@ -193,7 +193,7 @@ def test_inspect_never_unpickles_anything_but_checkpoint_metadata(tmp_path, payl
 
 def test_inspect_reads_no_pickle_and_imports_no_torch(copy):
     """Format 2 keeps its tensor metadata as JSON: inspect needs neither pickle nor torch."""
-    code = ("import sys; from ft_checkpoint.cli import main; rc = main(['inspect', sys.argv[1], '--json']); "
+    code = ("import sys; from ft_checkpoint.tools.cli import main; rc = main(['inspect', sys.argv[1], '--json']); "
             "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)")
     proc = subprocess.run([sys.executable, "-c", code, copy], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -221,7 +221,7 @@ def test_gc_never_deletes_the_newest_verified_step(copy):
 def run_in_terminal(*args: str) -> str:
     """Run the CLI with stdout and stderr on a pseudo-terminal; return what it drew."""
     leader, follower = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "ft_checkpoint.cli", *args], stdout=follower, stderr=follower)
+    proc = subprocess.Popen([sys.executable, "-m", "ft_checkpoint.tools.cli", *args], stdout=follower, stderr=follower)
     os.close(follower)
     out = b""
     while True:
@@ -247,7 +247,7 @@ def test_verify_draws_a_progress_bar_only_on_a_terminal(local_run):
 def test_report_plot_needs_matplotlib_and_says_how_to_get_it(local_run, tmp_path):
     block = ("import sys\nclass B:\n def find_spec(self, name, path=None, target=None):\n"
              "  if name.split('.')[0] == 'matplotlib': raise ImportError('blocked: ' + name)\n"
-             "sys.meta_path.insert(0, B())\nfrom ft_checkpoint.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+             "sys.meta_path.insert(0, B())\nfrom ft_checkpoint.tools.cli import main\nsys.exit(main(sys.argv[1:]))\n")
     png = str(tmp_path / "timeline.png")
     proc = subprocess.run([sys.executable, "-c", block, "report", local_run.url, "--plot", png],
                           capture_output=True, text=True, timeout=60)
@@ -267,7 +267,7 @@ def test_report_plot_draws_the_timeline(local_run, tmp_path):
 def test_reading_commands_do_not_import_torch(local_run):
     code = ("import sys\nclass B:\n def find_spec(self, name, path=None, target=None):\n"
             "  if name.split('.')[0] == 'torch': raise ImportError('blocked: ' + name)\n"
-            "sys.meta_path.insert(0, B())\nfrom ft_checkpoint.cli import main\n"
+            "sys.meta_path.insert(0, B())\nfrom ft_checkpoint.tools.cli import main\n"
             f"for cmd in (['ls'], ['verify', '--all'], ['report'], ['gc', '--keep', '3', '--dry-run']):\n"
             f"    assert main([*cmd[:1], {local_run.url!r}, *cmd[1:], '--json']) == 0, cmd\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from ft_checkpoint.goodput import goodput_report
+from ft_checkpoint.tools.goodput import goodput_report
 from ft_checkpoint.journal import Journal, new_attempt_id
 from ft_checkpoint.storage import Storage
 from tests.cli.conftest import cli

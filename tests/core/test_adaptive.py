@@ -14,11 +14,12 @@ import sys
 import pytest
 
 from ft_checkpoint import CheckpointManager
-from ft_checkpoint.failures import FailureModel, count_failures, prior_mtbf
-from ft_checkpoint.interval import daly_interval, expected_waste, young_interval
+from ft_checkpoint.adaptive.failures import FailureModel, count_failures, prior_mtbf
+from ft_checkpoint.adaptive.interval import daly_interval, expected_waste, young_interval
 from ft_checkpoint.journal import Journal, attempt_summaries
-from ft_checkpoint.policy import COST_GUESS, FIRST_SAVE_BY, AdaptiveInterval, SaveContext
-from ft_checkpoint.simulate import POLICIES, _Fixed, _run, failure_times, simulate_scenario
+from ft_checkpoint.adaptive.policy import COST_GUESS, FIRST_SAVE_BY, AdaptiveInterval
+from ft_checkpoint.policy import SaveContext
+from ft_checkpoint.adaptive.simulate import POLICIES, _Fixed, _run, failure_times, simulate_scenario
 from ft_checkpoint.storage import Storage
 from tests.helpers.toy import make
 
@@ -156,12 +157,12 @@ def test_a_restarted_job_keeps_the_measured_save_cost(tmp_path):
 
 
 def test_cli_plan_reproduces_daly():
-    out = subprocess.run([sys.executable, "-m", "ft_checkpoint.cli", "plan", "--mtbf", "15m", "--cost", "5m",
+    out = subprocess.run([sys.executable, "-m", "ft_checkpoint.tools.cli", "plan", "--mtbf", "15m", "--cost", "5m",
                           "--json"], capture_output=True, text=True, check=True).stdout
     rows = {r["name"]: r for r in json.loads(out)["intervals"]}
     assert round(rows["daly"]["interval_s"] / MIN, 1) == 9.1
     assert {"young", "every 15 min", "every 1 h", "every 3 h"} <= set(rows)
-    text = subprocess.run([sys.executable, "-m", "ft_checkpoint.cli", "plan", "--mtbf", "1d", "--cost", "30s"],
+    text = subprocess.run([sys.executable, "-m", "ft_checkpoint.tools.cli", "plan", "--mtbf", "1d", "--cost", "30s"],
                           capture_output=True, text=True, check=True).stdout
     assert "daly" in text and "expected waste" in text
 
@@ -203,7 +204,7 @@ def test_simulation_ours_close_to_oracle_once_learned_and_to_best_fixed_before(m
 
 
 def test_cli_simulate_prints_the_criteria():
-    out = subprocess.run([sys.executable, "-m", "ft_checkpoint.cli", "simulate", "--mtbf", "1h", "--cost", "1m",
+    out = subprocess.run([sys.executable, "-m", "ft_checkpoint.tools.cli", "simulate", "--mtbf", "1h", "--cost", "1m",
                           "--seeds", "1", "--early-seeds", "20", "--work", "10"], capture_output=True, text=True,
                          check=True).stdout
     head, row = out.splitlines()[1:3]

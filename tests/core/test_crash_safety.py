@@ -12,7 +12,7 @@ import time
 import pytest
 
 from ft_checkpoint import CheckpointManager
-from ft_checkpoint.catalog import check_step
+from ft_checkpoint.tools.catalog import check_step
 from ft_checkpoint.layout import list_steps
 from ft_checkpoint.storage import Storage
 from tests.helpers.crash_child import expected_state

@@ -7,7 +7,7 @@ import uuid
 import pytest
 
 from ft_checkpoint import CheckpointManager, read_journal
-from ft_checkpoint.goodput import goodput_report
+from ft_checkpoint.tools.goodput import goodput_report
 from ft_checkpoint.journal import attempt_summaries
 from ft_checkpoint.storage import Storage
 from tests.helpers import garbage_journal as garbage

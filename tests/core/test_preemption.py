@@ -13,7 +13,7 @@ import torch
 
 from ft_checkpoint import CheckpointConfig, CheckpointManager, ConfigError, read_journal
 from ft_checkpoint.errors import Preempted
-from ft_checkpoint.failures import count_failures
+from ft_checkpoint.adaptive.failures import count_failures
 from ft_checkpoint.journal import attempt_summaries
 from ft_checkpoint.preemption import PreemptionWatcher
 from ft_checkpoint.slurm import SlurmJob

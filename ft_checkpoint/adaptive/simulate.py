@@ -32,8 +32,8 @@ import random
 import statistics
 from collections.abc import Iterator
 
-from ft_checkpoint.interval import daly_interval
-from ft_checkpoint.policy import AdaptiveInterval
+from ft_checkpoint.adaptive.interval import daly_interval
+from ft_checkpoint.adaptive.policy import AdaptiveInterval
 
 POLICIES = ("fixed 15m", "fixed 1h", "fixed 3h", "checkfreq", "oracle", "ours")
 LEARNED_AFTER = 5

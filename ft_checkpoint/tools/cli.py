@@ -11,8 +11,8 @@
 Durations accept seconds or ``30s``, ``5m``, ``6h``, ``2d``, ``1w``. ``DIR`` is a local path or an
 fsspec URL (``gs://bucket/run``); storage options (credentials, endpoint) come from
 ``FT_CHECKPOINT_STORAGE_OPTIONS`` (a JSON object) or the file named by ``FT_CHECKPOINT_CONFIG``, like the
-training's; without ``DIR``, ``FT_CHECKPOINT_DIRPATH``. The logic lives in ``ft_checkpoint.catalog`` and
-``ft_checkpoint.goodput``; this module parses arguments and prints. Exit codes: 0 ok; 1 ``verify``
+training's; without ``DIR``, ``FT_CHECKPOINT_DIRPATH``. The logic lives in ``ft_checkpoint.tools.catalog`` and
+``ft_checkpoint.tools.goodput``; this module parses arguments and prints. Exit codes: 0 ok; 1 ``verify``
 found a problem; 2 a usage, configuration or storage error, or a file that cannot be read: always one
 line ``ft-checkpoint COMMAND: error: ...`` on stderr, never a traceback (``FT_CHECKPOINT_DEBUG=1``
 shows the traceback of an unexpected error). Warnings (such as journal files skipped as unreadable)
@@ -36,10 +36,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ft_checkpoint import __version__
-from ft_checkpoint.config import parse_duration
 from ft_checkpoint.errors import FTCheckpointError
-from ft_checkpoint.jsonfile import short
-from ft_checkpoint.layout import human_bytes
+from ft_checkpoint.units import human_bytes, human_seconds, parse_duration, short
 
 if TYPE_CHECKING:
     from ft_checkpoint.storage import Storage
@@ -57,10 +55,7 @@ def duration(text: str) -> float:
     """argparse type: a duration in seconds (``1w`` allowed too), finite and at most 100 years."""
     text = text.strip()
     try:
-        if text.endswith("w") and text[:-1].replace(".", "", 1).isdigit():
-            seconds = float(text[:-1]) * 7 * 86400
-        else:
-            seconds = parse_duration(float(text) if text.replace(".", "", 1).isdigit() else text)
+        seconds = parse_duration(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
     if not math.isfinite(seconds) or seconds > MAX_SECONDS:
@@ -95,34 +90,26 @@ def positive_number(text: str) -> float:
     return value
 
 
-def human(seconds: float) -> str:
-    """``5400`` -> ``'1.5 h'``, ``0.0123`` -> ``'12.3 ms'``; the unit that reads best."""
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.3g} {unit}"
-    return f"{seconds * 1000:.3g} ms" if 0 < seconds < 1 else f"{seconds:.3g} s"
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     with _arithmetic("plan"):
         return _plan(args)
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from ft_checkpoint.interval import daly_interval, expected_waste, young_interval
+    from ft_checkpoint.adaptive.interval import daly_interval, expected_waste, young_interval
 
     d, m, r = args.cost, args.mtbf, args.restart
     rows = [("young", young_interval(d, m)), ("daly", daly_interval(d, m))]
-    rows += [(f"every {human(t)}", t) for t in (900.0, 3600.0, 10800.0)]
+    rows += [(f"every {human_seconds(t)}", t) for t in (900.0, 3600.0, 10800.0)]
     result = {"cost_s": d, "mtbf_s": m, "restart_s": r,
               "intervals": [{"name": n, "interval_s": t, "expected_waste": expected_waste(t, d, m, r)} for n, t in rows]}
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"checkpoint cost {human(d)}, MTBF {human(m)}, restart {human(r)}")
+        print(f"checkpoint cost {human_seconds(d)}, MTBF {human_seconds(m)}, restart {human_seconds(r)}")
         print(f"{'interval':<14}{'length':>12}{'expected waste':>17}")
         for row in result["intervals"]:
-            print(f"{row['name']:<14}{human(row['interval_s']):>12}{100 * row['expected_waste']:>16.2f}%")
+            print(f"{row['name']:<14}{human_seconds(row['interval_s']):>12}{100 * row['expected_waste']:>16.2f}%")
     if args.plot:
         _plot(args.plot, d, m, r, daly_interval(d, m))
     return 0
@@ -136,15 +123,15 @@ def _plot(path: str, d: float, m: float, r: float, best: float) -> None:
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise UsageError(f"--plot needs matplotlib ({e}). HINT: pip install 'ft-checkpoint[plot]'") from None
-    from ft_checkpoint.interval import expected_waste
+    from ft_checkpoint.adaptive.interval import expected_waste
 
     xs = [best * 10 ** (i / 50 - 1.2) for i in range(121)]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([x / 60 for x in xs], [100 * expected_waste(x, d, m, r) for x in xs])
     ax.axvline(best / 60, linestyle="--", color="k")
-    ax.annotate(f"Daly optimum {human(best)}", (best / 60, 100 * expected_waste(best, d, m, r)))
+    ax.annotate(f"Daly optimum {human_seconds(best)}", (best / 60, 100 * expected_waste(best, d, m, r)))
     ax.set(xscale="log", xlabel="checkpoint interval (min)", ylabel="expected waste (%)",
-           title=f"cost {human(d)}, MTBF {human(m)}")
+           title=f"cost {human_seconds(d)}, MTBF {human_seconds(m)}")
     fig.tight_layout()
     fig.savefig(path)
     print(f"wrote {path}")
@@ -171,7 +158,7 @@ class _arithmetic:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from ft_checkpoint.simulate import POLICIES, simulate_scenario
+    from ft_checkpoint.adaptive.simulate import POLICIES, simulate_scenario
 
     rows = []
     for m in args.mtbf:
@@ -194,7 +181,7 @@ def _simulate(args: argparse.Namespace) -> int:
         best_fixed = min(w[p]["before"] for p in POLICIES if p.startswith("fixed"))
         cells = "".join(f"{100 * w[p]['all']:>11.2f}" for p in POLICIES)
         ours, oracle = w["ours"], w["oracle"]
-        print(f"{human(row['mtbf_s']):>8}{human(row['cost_s']):>8}{cells}{100 * ours['before']:>10.2f}"
+        print(f"{human_seconds(row['mtbf_s']):>8}{human_seconds(row['cost_s']):>8}{cells}{100 * ours['before']:>10.2f}"
               f"{100 * best_fixed:>15.2f}{ours['before'] / best_fixed:>7.3f}{100 * ours['after']:>10.2f}"
               f"{100 * oracle['after']:>12.2f}{ours['after'] / oracle['after']:>7.3f}")
     return 0
@@ -213,7 +200,7 @@ def utc(t: float | None) -> str:
 
 def open_storage(url: str | None) -> Storage:
     """The checkpoint directory ``url`` (or ``FT_CHECKPOINT_DIRPATH``), with the training's storage options."""
-    from ft_checkpoint.catalog import require_directory
+    from ft_checkpoint.tools.catalog import require_directory
     from ft_checkpoint.config import CheckpointConfig
     from ft_checkpoint.errors import ConfigError
     from ft_checkpoint.storage import Storage
@@ -278,7 +265,7 @@ def emit(args: argparse.Namespace, data: Any, lines: list[str]) -> None:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from ft_checkpoint.catalog import list_checkpoints
+    from ft_checkpoint.tools.catalog import list_checkpoints
 
     storage = open_storage(args.dir)
     listing = list_checkpoints(storage)
@@ -286,7 +273,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         "no committed step: a resume would start fresh"
     lines = [f"{listing.url}: {plural(len(listing.steps), 'step directory', 'step directories')}; {pick}"]
     if not listing.steps:
-        from ft_checkpoint.catalog import checkpoint_dirs_below
+        from ft_checkpoint.tools.catalog import checkpoint_dirs_below
 
         lines += [f"HINT: checkpoints are in {url}: 'ft-checkpoint ls {url}'" for url in checkpoint_dirs_below(storage)]
     rows = [[str(i.step), i.status, utc(i.time), human_bytes(i.bytes), str(i.files),
@@ -301,7 +288,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ft_checkpoint.catalog import check_step, list_checkpoints, select_steps
+    from ft_checkpoint.tools.catalog import check_step, list_checkpoints, select_steps
 
     storage = open_storage(args.dir)
     listing = list_checkpoints(storage)
@@ -335,7 +322,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from ft_checkpoint.catalog import inspect_step, list_checkpoints
+    from ft_checkpoint.tools.catalog import inspect_step, list_checkpoints
 
     storage = open_storage(args.dir)
     step = args.step if args.step is not None else list_checkpoints(storage).resume_step
@@ -366,7 +353,7 @@ def _inspect_lines(info: dict[str, Any]) -> list[str]:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from ft_checkpoint.catalog import apply_gc, plan_gc
+    from ft_checkpoint.tools.catalog import apply_gc, plan_gc
 
     storage = open_storage(args.dir)
     plan = plan_gc(storage, keep_last=args.keep, keep_every_n_steps=args.keep_every)
@@ -384,7 +371,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from ft_checkpoint.goodput import goodput_report, plot_timeline
+    from ft_checkpoint.tools.goodput import goodput_report, plot_timeline
 
     report = goodput_report(open_storage(args.dir))
     if args.plot:
@@ -407,17 +394,17 @@ def _report_lines(report: Any) -> list[str]:
     for n, a in enumerate(report.attempts, 1):
         at_least = "" if a.recomputed_exact else ">="
         redo = "-" if a.recomputed_steps is None and not a.recomputed_s else \
-            f"{'?' if a.recomputed_steps is None else at_least + str(a.recomputed_steps)} steps, {human(a.recomputed_s)}"
-        rows.append([str(n), utc(a.start), human(a.duration_s), a.outcome,
-                     f"{a.resumed_from or 0}->{'?' if a.last_step is None else a.last_step}", human(a.stall_s),
-                     human(a.load_s), redo, "-" if a.gap_after_s is None else human(a.gap_after_s)])
+            f"{'?' if a.recomputed_steps is None else at_least + str(a.recomputed_steps)} steps, {human_seconds(a.recomputed_s)}"
+        rows.append([str(n), utc(a.start), human_seconds(a.duration_s), a.outcome,
+                     f"{a.resumed_from or 0}->{'?' if a.last_step is None else a.last_step}", human_seconds(a.stall_s),
+                     human_seconds(a.load_s), redo, "-" if a.gap_after_s is None else human_seconds(a.gap_after_s)])
     lines += table(["#", "started (UTC)", "ran", "outcome", "steps", "stall", "loading", "recomputed", "gap after"],
                    rows, "><><>>>>>")
     t = report.totals()
-    lines += [f"wall time {human(t['wall_s'])}: useful training {human(t['useful_s'])}, checkpoint stall "
-              f"{human(t['stall_s'])}, loading {human(t['load_s'])}, recomputed "
+    lines += [f"wall time {human_seconds(t['wall_s'])}: useful training {human_seconds(t['useful_s'])}, checkpoint stall "
+              f"{human_seconds(t['stall_s'])}, loading {human_seconds(t['load_s'])}, recomputed "
               f"{'' if t['recomputed_exact'] else 'at least '}{t['recomputed_steps']} steps "
-              f"({human(t['recomputed_s'])}), restart gaps {human(t['gap_s'])}",
+              f"({human_seconds(t['recomputed_s'])}), restart gaps {human_seconds(t['gap_s'])}",
               "goodput " + ("n/a" if t["goodput"] is None else f"{100 * t['goodput']:.1f}%") + " (useful / wall)"]
     return lines + skipped
 
