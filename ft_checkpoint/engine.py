@@ -44,6 +44,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
+import tenacity
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -281,17 +282,22 @@ class CheckpointEngine:
         Every rank takes the same decision: errors are exchanged at each phase (see :meth:`_agree`),
         and DCP reports a failure of any rank to all of them.
         """
-        for attempt in range(1, self.retries + 1):
-            try:
-                return self._write_once(stats, staged, fields, listener)
-            except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
-                if attempt == self.retries or not _transient(e):
-                    if isinstance(e, CheckpointException):
-                        raise SaveError(f"step {stats.step} not committed: {_describe_dcp(e)}") from e
-                    raise
-                log.warning("save of step %d failed with a transient error (%s); retrying it whole (%d of %d)",
-                            stats.step, _describe_dcp(e), attempt + 1, self.retries)
-        raise AssertionError("unreachable")
+        try:
+            return self._retrying("save", stats.step)(self._write_once, stats, staged, fields, listener)
+        except CheckpointException as e:  # DCP's exception is a BaseException: make it one callers catch
+            raise SaveError(f"step {stats.step} not committed: {_describe_dcp(e)}") from e
+
+    def _retrying(self, what: str, step: int) -> tenacity.Retrying:
+        """Retries of a whole save or load after a transient error (each storage call was retried already);
+        every rank sees the same failures (see :meth:`_agree`; DCP reports a rank's failure to all)."""
+        return tenacity.Retrying(
+            retry=tenacity.retry_if_exception(lambda e: _transient(e) and not _corrupt(e)),
+            stop=tenacity.stop_after_attempt(max(1, self.retries)),
+            wait=tenacity.wait_random_exponential(multiplier=self.storage.backoff, max=10),
+            before_sleep=lambda rs: log.warning(
+                "%s of step %d failed with a transient error (%s); retrying it whole (%d of %d)", what, step,
+                _describe_dcp(rs.outcome.exception()), rs.attempt_number + 1, self.retries),
+            reraise=True)
 
     def _write_once(self, stats: SaveStats, staged: dict[str, Any], fields: dict[str, Any],
                     listener: SaveListener | None) -> int | None:
@@ -458,19 +464,16 @@ class CheckpointEngine:
         targets = self._targets(opened.metadata, current)
         opened.touches = any(current.get(k) is t for k, t in targets.items())
         rel = layout.step_dir(step)
-        for attempt in range(1, self.retries + 1):
+        def read() -> None:
             reader = (legacy.LegacyReader(self.storage, rel, opened.metadata) if legacy.is_legacy(opened.manifest)
                       else shards.ShardReader(self.storage, rel, opened.metadata))
-            try:
-                dcp.load(targets, storage_reader=reader, process_group=self.groups.writer,
-                         no_dist=not self.groups.distributed)
-                break
-            except CheckpointException as e:  # a BaseException: make it one callers can catch
-                if attempt < self.retries and _transient(e) and not _corrupt(e):  # every rank sees the same failures
-                    log.warning("loading step %d failed with a transient error (%s); retrying", step, _describe_dcp(e))
-                    continue
-                error = CheckpointCorruptError if _corrupt(e) or not _transient(e) else StorageError
-                raise error(f"loading step {step} from {self.storage.url} failed: {_describe_dcp(e)}") from e
+            dcp.load(targets, storage_reader=reader, process_group=self.groups.writer, no_dist=not self.groups.distributed)
+
+        try:
+            self._retrying("loading", step)(read)
+        except CheckpointException as e:  # a BaseException: make it one callers can catch
+            error = CheckpointCorruptError if _corrupt(e) or not _transient(e) else StorageError
+            raise error(f"loading step {step} from {self.storage.url} failed: {_describe_dcp(e)}") from e
         rank_state = opened.rank_state
         return merge_tree(rank_state["skeleton"], targets), rank_state["per_rank"]
 
