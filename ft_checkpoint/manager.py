@@ -188,6 +188,12 @@ class CheckpointManager:
     def rank(self) -> int:
         return self.groups.rank
 
+    @property
+    def preemption_requested(self) -> bool:
+        """Whether this rank noticed a preemption (a signal in ``preemption_signals``, or the Slurm job's end
+        time) that no save has acted on yet; :meth:`agree_to_save` makes every rank agree on it."""
+        return self.watcher.requested
+
     # -- saving --------------------------------------------------------------------------------
     def note_step(self, step: int) -> None:
         """A step boundary: time the step (what a background write costs the training, for the adaptive

@@ -53,4 +53,5 @@ def test_fsdp2_sharded_state_is_saved_per_rank_and_resumes_exactly(tmp_path):
     weight = tensors["model/model/0.weight"]
     assert [c.offsets for c in weight.chunks] == [(0, 0), (16, 0)], "expected one row-shard per rank"
     assert len(tensors["model/optimizers/state/0.weight/exp_avg"].chunks) == 2, "optimizer state should stay sharded too"
-    assert {c.file for t in tensors.values() for c in t.chunks} == {"__0_0.distcp", "__1_0.distcp"}
+    assert {c.file for t in tensors.values() for c in t.chunks} == {"__0_0.distcp", "__0_1.distcp", "__1_0.distcp",
+                                                                    "__1_1.distcp"}  # 2 files per rank (writers=2)

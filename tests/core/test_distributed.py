@@ -28,8 +28,10 @@ def test_sharded_save_then_load_on_2_and_on_1_rank(tmp_path):
     manifest = read_manifest(Storage(url), 3)
     assert manifest.world_size == 2
     shards = {n: f.size for n, f in manifest.files.items() if n.endswith(".distcp")}
-    assert set(shards) == {"__0_0.distcp", "__1_0.distcp"}, "each rank writes its own shard file"
-    assert min(shards.values()) > 0.25 * sum(shards.values()), f"replicated tensors spread over ranks: {shards}"
+    assert set(shards) == {"__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp"}, \
+        "each rank writes its own shard files (writers=2)"
+    per_rank = [sum(size for name, size in shards.items() if name.startswith(f"__{r}_")) for r in (0, 1)]
+    assert min(per_rank) > 0.25 * sum(per_rank), f"replicated tensors spread over ranks: {shards}"
     assert {"rank_00000.pt", "rank_00001.pt"} <= set(manifest.files)
 
     out2 = torchrun(2, "load", url, str(tmp_path))
