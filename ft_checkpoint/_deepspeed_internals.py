@@ -119,6 +119,16 @@ def _device(offload: Any) -> str | None:
     return None if device is None else str(getattr(device, "value", device))
 
 
+UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
+"""The client-state key ``ds_to_universal`` requires in a checkpoint (its absence is an assertion error there)."""
+
+
+def universal_info_needed(engine: Any) -> bool:
+    """Whether a save must add :data:`UNIVERSAL_CHECKPOINT_INFO` to the client state: the module declares none
+    (AutoTP models do) and no MoE layers (DeepSpeed reserves the key there)."""
+    return getattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, None) is None and not has_moe(engine)
+
+
 def is_pipeline(engine: Any) -> bool:
     return type(engine).__name__ == "PipelineEngine"
 

@@ -117,10 +117,18 @@ class DeepSpeedState:
         root = os.path.join(self._save_dir, STAGING_TAG)
         capture = _Capture(root, self.prefix)
         with self._checkpoint_engine.capturing(capture):
-            self.engine.save_checkpoint(self._save_dir, tag=STAGING_TAG, client_state=dict(self.client_state or {}),
+            self.engine.save_checkpoint(self._save_dir, tag=STAGING_TAG, client_state=self._client_state(),
                                         save_latest=False, exclude_frozen_parameters=self.exclude_frozen_parameters)
         staged = self._stager.stage(capture.files)
         return {name: _writer(obj) for name, obj in staged.items()}
+
+    def _client_state(self) -> dict[str, Any]:
+        """The user's client state, plus what DeepSpeed's ``ds_to_universal`` converter requires of a checkpoint
+        (unless the model declares its own, as AutoTP models do)."""
+        out = dict(self.client_state or {})
+        if internals.universal_info_needed(self.engine):
+            out.setdefault(internals.UNIVERSAL_CHECKPOINT_INFO, {"universal_checkpoint_version": 0.2})
+        return out
 
     # -- loading -------------------------------------------------------------------------------
     def load_files(self, files: StepFiles) -> None:
@@ -140,6 +148,7 @@ class DeepSpeedState:
             with self._checkpoint_engine.loading(source):
                 client_state = self._load_checkpoint(load_dir, tag, files.step)
         if self.client_state is not None:
+            client_state.pop(internals.UNIVERSAL_CHECKPOINT_INFO, None)
             self.client_state.clear()
             self.client_state.update(client_state)
 

@@ -20,6 +20,8 @@ pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed (p
 HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT = 600  # generous: the first DeepSpeed process of a machine compiles a small op (about 50 s)
 SEED = int(os.environ.get("FT_TEST_SEED", "7"))
+STEPS, INTERVAL = 12, 2
+"""Steps of ``ds_train.py`` runs, and the save interval."""
 
 
 def env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -74,3 +76,20 @@ def assert_bit_exact(got: dict[str, Any], want: dict[str, Any], what: str) -> No
         assert set(got[part]) == set(tensors), f"{what}: {part} has other entries"
         for key, tensor in tensors.items():
             assert torch.equal(got[part][key], tensor), f"{what}: {part}[{key}] differs from the uninterrupted run"
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory):
+    """The uninterrupted run (with its checks) of each configuration, once per session: ``(out, run)``."""
+    cache: dict = {}
+
+    def get(zero: int, ranks: int):
+        if (zero, ranks) not in cache:
+            base = tmp_path_factory.mktemp(f"ds-zero{zero}-{ranks}")
+            run = torchrun("ds_train.py", ranks, "--zero", zero, "--dir", base / "ckpt", "--out", base / "out",
+                           "--steps", STEPS, "--interval", INTERVAL, "--checks", out=base / "out")
+            assert run.returncode == 0, run.explain()
+            cache[zero, ranks] = (str(base), run)
+        return cache[zero, ranks]
+
+    return get

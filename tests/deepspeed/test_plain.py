@@ -17,27 +17,9 @@ import pytest
 
 from ft_checkpoint import layout
 from ft_checkpoint.storage import Storage
-from tests.deepspeed.conftest import SEED, assert_bit_exact, final, torchrun
+from tests.deepspeed.conftest import INTERVAL, SEED, STEPS, assert_bit_exact, final, torchrun
 
 CONFIGS = [pytest.param(zero, ranks, id=f"zero{zero}-{ranks}rank") for zero in (1, 2, 3) for ranks in (1, 2)]
-STEPS, INTERVAL = 12, 2
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The uninterrupted run (with its checks) of each configuration, once per module: ``(out, run)``."""
-    cache: dict = {}
-
-    def get(zero: int, ranks: int):
-        if (zero, ranks) not in cache:
-            base = tmp_path_factory.mktemp(f"ds-zero{zero}-{ranks}")
-            run = torchrun("ds_train.py", ranks, "--zero", zero, "--dir", base / "ckpt", "--out", base / "out",
-                           "--steps", STEPS, "--interval", INTERVAL, "--checks", out=base / "out")
-            assert run.returncode == 0, run.explain()
-            cache[zero, ranks] = (str(base), run)
-        return cache[zero, ranks]
-
-    return get
 
 
 @pytest.mark.parametrize("zero,ranks", CONFIGS)
