@@ -27,7 +27,7 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import InitProcessGroupKwargs, set_seed  # noqa: E402
 
 from accelerate_ft import FaultTolerantCheckpoint  # noqa: E402
-from tests.deepspeed.ds_train import flat_tensors  # noqa: E402
+from tests.deepspeed.ds_train import flat_tensors, optimizer_state  # noqa: E402
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
@@ -35,7 +35,7 @@ ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 class Indexed(torch.utils.data.Dataset):
     def __init__(self, n: int) -> None:
         g = torch.Generator().manual_seed(1234)
-        self.x, self.y = torch.randn(n, 8, generator=g), torch.randn(n, 2, generator=g)
+        self.x, self.y = torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g)
 
     def __len__(self) -> int:
         return len(self.x)
@@ -57,8 +57,7 @@ def main() -> None:
     acc = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
     rank = acc.process_index
     set_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.2), torch.nn.ReLU(), torch.nn.Linear(32, 2))
-    # 354 parameters: ZeRO-3 partitions without padding (padding elements are uninitialized memory in DeepSpeed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.2), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
     loader = torch.utils.data.DataLoader(Indexed(48), batch_size=4, shuffle=True)
@@ -88,7 +87,7 @@ def main() -> None:
     ft.close()
     engine = model
     fingerprint = flat_tensors(engine.module.state_dict(), "module", {})
-    flat_tensors(engine.optimizer.state_dict(), "optim", fingerprint)
+    fingerprint.update(optimizer_state(engine))
     torch.save({"fingerprint": fingerprint, "global_step": ft.global_step, "lr": sched.get_last_lr(),
                 "probe": torch.rand(4), "seen": seen}, os.path.join(args.out, f"final_rank{rank}.pt"))
     report(done=ft.global_step)

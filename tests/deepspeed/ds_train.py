@@ -88,10 +88,26 @@ def flat_tensors(tree, prefix: str, out: dict) -> dict:
     return out
 
 
+def optimizer_state(engine) -> dict:
+    """Each parameter's full fp32 master copy and Adam moments (DeepSpeed's public gatherers: a collective under
+    ZeRO-3), and the optimizer's step counts. Not the raw ZeRO-3 partitions: their padding is uninitialized
+    memory, different in every process."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out = {}
+    for name, p in engine.module.named_parameters():
+        out[f"fp32/{name}"] = safe_get_full_fp32_param(p).clone()
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[f"{key}/{name}"] = safe_get_full_optimizer_state(p, key).clone()
+    steps = flat_tensors(engine.optimizer.state_dict(), "optim", {})
+    out.update({k: v for k, v in steps.items() if k.endswith("/step")})
+    return out
+
+
 def fingerprint(engine) -> dict:
-    """This rank's view: module tensors, ZeRO optimizer partition and Adam state, LR and counters, next random."""
+    """This rank's view: module tensors, fp32 weights and Adam state, LR and counters, next random numbers."""
     out = flat_tensors(engine.module.state_dict(), "module", {})
-    flat_tensors(engine.optimizer.state_dict(), "optim", out)
+    out.update(optimizer_state(engine))
     out["global_steps"] = torch.tensor(engine.global_steps)
     out["lr"] = torch.tensor(engine.get_lr())
     out["rng"] = torch.get_rng_state()

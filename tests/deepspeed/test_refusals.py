@@ -3,6 +3,7 @@ writer, a restart on another data-parallel size (and DeepSpeed's documented way 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -69,11 +70,10 @@ def test_inspect_shows_the_zero_stage_and_parallel_sizes(uninterrupted):
 
 def test_a_step_is_a_deepspeed_checkpoint_that_zero_to_fp32_reads(uninterrupted, tmp_path):
     """A step directory holds DeepSpeed's own files under their names: DeepSpeed's tools read it as a tag."""
-    import deepspeed
-
     base, _ = uninterrupted(3, 2)
     newest = layout.committed_steps(Storage(os.path.join(base, "ckpt")))[-1]
-    script = shutil.copy(os.path.join(os.path.dirname(deepspeed.__file__), "utils", "zero_to_fp32.py"), tmp_path)
+    package = importlib.util.find_spec("deepspeed").submodule_search_locations[0]
+    script = shutil.copy(os.path.join(package, "utils", "zero_to_fp32.py"), tmp_path)  # its directory shadows torch
     proc = subprocess.run([sys.executable, script, os.path.join(base, "ckpt"), str(tmp_path / "fp32"), "--tag",
                            layout.step_dir(newest)], capture_output=True, text=True, env=env(), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
