@@ -44,11 +44,13 @@ _EXPORTS = {
     "LeaseError": "ft_checkpoint.errors",
     "StateMismatchError": "ft_checkpoint.errors",
     "Preempted": "ft_checkpoint.errors",
+    "DeepSpeedState": "ft_checkpoint.deepspeed",
 }
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
     from ft_checkpoint.config import CheckpointConfig, parse_duration
+    from ft_checkpoint.deepspeed import DeepSpeedState
     from ft_checkpoint.engine import CheckpointEngine, SaveStats
     from ft_checkpoint.errors import (
         CheckpointCorruptError,

@@ -114,6 +114,8 @@ class CheckpointManager:
         **config: Any :class:`~ft_checkpoint.config.CheckpointConfig` field (``interval``, ``keep_last``,
             ``storage_options``, ...). Explicit arguments win over env vars, which win over the file.
 
+    A DeepSpeed engine in ``state`` saves itself through DeepSpeed's own files (see ``ft_checkpoint.deepspeed``).
+
     Every rank of a distributed job must create the manager and call ``resume``/``maybe_save``/
     ``save``/``close`` at the same steps (the step-based policies guarantee it; time-based ones are
     decided by rank 0 and broadcast).

@@ -1,7 +1,7 @@
 """Checks that need a live DeepSpeed engine, run under torchrun (1 rank); each rank reports into OUT.
 
     torchrun --nproc-per-node 1 ds_checks.py OUT internals     # ft_checkpoint/_deepspeed_internals.py
-    torchrun --nproc-per-node 1 ds_checks.py OUT refusals      # what DeepSpeedState refuses
+    torchrun --nproc-per-node 1 ds_checks.py OUT refusals      # what DeepSpeedState refuses; two engines
     torchrun --nproc-per-node 1 ds_checks.py OUT dp-change DIR # a resume of a 2-rank ZeRO-2 directory
     torchrun --nproc-per-node 1 ds_checks.py OUT universal DIR # load a ds_to_universal conversion
 
@@ -169,6 +169,40 @@ def refusals() -> None:
     check("accepts offload to CPU")(lambda: isinstance(DeepSpeedState(engine), DeepSpeedState))
 
 
+def two_engines(tmp: str) -> None:
+    """Two engines in one state: each one's files prefixed by its key; both come back. The same prefix twice
+    is an error naming the file."""
+    from tests.deepspeed.ds_train import fingerprint, train_step
+
+    a, b = make_engine(2), make_engine(1, seed=5)
+    for step in (1, 2):
+        train_step(a, step)
+        train_step(b, step)
+    url = os.path.join(tmp, "two")
+    with CheckpointManager(url, announce=False) as ckpt:
+        ckpt.save(2, {"a": a, "b": b}, block=True)
+        files = sorted(ckpt.engine.storage.entries("step_000000000002"))
+    want = {"a": fingerprint(a), "b": fingerprint(b)}
+    fresh = {"a": make_engine(2, seed=7), "b": make_engine(1, seed=8)}
+    with CheckpointManager(url, announce=False) as ckpt:
+        step = ckpt.resume(fresh)
+    got = {k: fingerprint(e) for k, e in fresh.items()}
+    check("two engines: files prefixed by key")(lambda: {"a.mp_rank_00_model_states.pt", "b.mp_rank_00_model_states.pt",
+        "a.zero_pp_rank_0_mp_rank_00_optim_states.pt", "b.zero_pp_rank_0_mp_rank_00_optim_states.pt"} <= set(files) or files)
+    check("two engines: both resumed")(lambda: step == 2 and all(
+        set(got[k]) == set(want[k]) and all(torch.equal(got[k][n], want[k][n]) for n in want[k]) for k in want))
+
+    def same_prefix():
+        with CheckpointManager(os.path.join(tmp, "clash"), announce=False) as ckpt:
+            try:
+                ckpt.save(1, {"a": DeepSpeedState(a), "b": DeepSpeedState(b)})
+            except ConfigError as e:
+                return "stages a file named 'mp_rank_00_model_states.pt'" in str(e) or str(e)
+        return "saved"
+
+    check("two engines: the same file name twice is refused")(same_prefix)
+
+
 def dp_change(directory: str) -> None:
     engine = make_engine(2)
 
@@ -205,6 +239,7 @@ def main() -> None:
         internals_checks(OUT)
     elif what == "refusals":
         refusals()
+        two_engines(OUT)
     elif what == "dp-change":
         dp_change(sys.argv[3])
     elif what == "universal":

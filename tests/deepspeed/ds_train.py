@@ -104,10 +104,15 @@ def optimizer_state(engine) -> dict:
     return out
 
 
-def fingerprint(engine) -> dict:
-    """This rank's view: module tensors, fp32 weights and Adam state, LR and counters, next random numbers."""
+def fingerprint(engine, *, gathered: bool = False) -> dict:
+    """This rank's view: module tensors, optimizer state, LR and counters, next random numbers.
+
+    The optimizer state is this rank's ZeRO ``state_dict`` as it is, or with ``gathered`` each parameter's
+    full fp32 copy and Adam moments (:func:`optimizer_state`: comparable across processes, but DeepSpeed can
+    gather them only once a step ran after a load).
+    """
     out = flat_tensors(engine.module.state_dict(), "module", {})
-    out.update(optimizer_state(engine))
+    out.update(optimizer_state(engine) if gathered else flat_tensors(engine.optimizer.state_dict(), "optim", {}))
     out["global_steps"] = torch.tensor(engine.global_steps)
     out["lr"] = torch.tensor(engine.get_lr())
     out["rng"] = torch.get_rng_state()
@@ -261,7 +266,7 @@ def main() -> None:
     expected: dict = {}
     with CheckpointManager(args.dir, interval=args.interval, keep_last=100, announce=False) as ckpt:
         train(args, ckpt, engine, expected)
-    torch.save({"fingerprint": fingerprint(engine), "full": full_weights(engine)},
+    torch.save({"fingerprint": fingerprint(engine, gathered=True), "full": full_weights(engine)},
                os.path.join(args.out, f"final_rank{RANK}.pt"))
     if args.checks:
         checks(args, expected)

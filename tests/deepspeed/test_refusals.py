@@ -1,5 +1,6 @@
 """What cannot be saved or resumed faithfully is refused, with a HINT: NVMe offload, another checkpoint
-writer, a restart on another data-parallel size (and DeepSpeed's documented way around it works)."""
+writer, a restart on another data-parallel size (and DeepSpeed's documented way around it works), two
+engines whose files would take the same names. Also: what inspect shows, and DeepSpeed's tools reading a step."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from ft_checkpoint.storage import Storage
 from tests.deepspeed.conftest import env, torchrun
 
 REFUSALS = ["refuses optimizer offload to NVMe", "refuses parameter offload to NVMe",
-            "refuses another checkpoint writer", "accepts offload to CPU"]
+            "refuses another checkpoint writer", "accepts offload to CPU", "two engines: files prefixed by key",
+            "two engines: both resumed", "two engines: the same file name twice is refused"]
 
 
 @pytest.fixture(scope="module")
