@@ -41,8 +41,8 @@ SAFE_GLOBALS = (
 """The classes DeepSpeed's checkpoint files pickle, by exact module and name; nothing else is unpickled."""
 
 DS_FILE_RE = re.compile(r"[A-Za-z0-9_\-]*(model|optim)_states\.pt", re.ASCII)
-"""A file DeepSpeed writes into a tag directory (``mp_rank_00_model_states.pt``, ``zero_pp_rank_1_mp_rank_00_optim_states.pt``,
-``layer_01-model_states.pt``)."""
+"""A file DeepSpeed writes into a tag directory: ``mp_rank_00_model_states.pt``,
+``zero_pp_rank_1_mp_rank_00_optim_states.pt``, ``layer_01-model_states.pt``."""
 
 
 def check_version(version: str | None = None) -> bool:

@@ -135,22 +135,27 @@ class DeepSpeedState:
         """Load the engine from a step: check that it fits, read and decode this rank's files (every rank agrees
         they are sound), then ``load_checkpoint`` from them. Collective."""
         _check_fits(files.metadata, self.engine, files.step)
-        mine = sorted(n for n in files.names if n.startswith(self.prefix)
-                      and internals.DS_FILE_RE.fullmatch(n[len(self.prefix):]))
         tag = layout.step_dir(files.step)
         with tempfile.TemporaryDirectory(prefix="ft-checkpoint-deepspeed-load-") as load_dir:
-            tag_dir = os.path.join(load_dir, tag)
-            os.makedirs(tag_dir)
-            for name in mine:  # DeepSpeed finds its model files with glob: empty stand-ins, the bytes come from us
-                open(os.path.join(tag_dir, name[len(self.prefix):]), "wb").close()
+            tag_dir = self._stand_ins(files, os.path.join(load_dir, tag))
             needed = internals.files_to_read(self.engine, load_dir, tag, files.metadata["dp_world_size"])
-            source = _Source(tag_dir, self.prefix, files, _agree(lambda: _read_all(files, [self.prefix + n for n in needed])))
-            with self._checkpoint_engine.loading(source):
+            decoded = _agree(lambda: _read_all(files, [self.prefix + name for name in needed]))
+            with self._checkpoint_engine.loading(_Source(tag_dir, self.prefix, files, decoded)):
                 client_state = self._load_checkpoint(load_dir, tag, files.step)
         if self.client_state is not None:
             client_state.pop(internals.UNIVERSAL_CHECKPOINT_INFO, None)
             self.client_state.clear()
             self.client_state.update(client_state)
+
+    def _stand_ins(self, files: StepFiles, tag_dir: str) -> str:
+        """``tag_dir`` with an empty file for each DeepSpeed file of this engine in the step: DeepSpeed lists its
+        model files with glob; their bytes come from the step, checked."""
+        os.makedirs(tag_dir)
+        for name in files.names:
+            rest = name[len(self.prefix):]
+            if name.startswith(self.prefix) and internals.DS_FILE_RE.fullmatch(rest):
+                open(os.path.join(tag_dir, rest), "wb").close()
+        return tag_dir
 
     def _load_checkpoint(self, load_dir: str, tag: str, step: int) -> dict[str, Any]:
         try:

@@ -7,8 +7,10 @@ One callback; ``trainer.fit`` then resumes by itself after a crash, a preemption
 
 What is saved is what ``trainer.save_checkpoint`` saves (model, optimizers, LR schedulers, precision
 plugin, loops, other callbacks, datamodule), plus each rank's RNG states and what it takes to put a
-plain ``DataLoader`` back at the next batch of the interrupted epoch. When and where to save, the
-write, the commit and the resume checks are the core's (:class:`ft_checkpoint.CheckpointManager`).
+plain ``DataLoader`` back at the next batch of the interrupted epoch. Under ``DeepSpeedStrategy`` the
+engine saves the model and optimizer as DeepSpeed's own files (``ft_checkpoint.deepspeed``), as
+Lightning's DeepSpeed checkpoints do. When and where to save, the write, the commit and the resume
+checks are the core's (:class:`ft_checkpoint.CheckpointManager`).
 
 Example:
     >>> from lightning_ft import FaultTolerantCheckpoint

@@ -242,7 +242,8 @@ def checks(args, expected: dict) -> None:
     marker = os.path.join(base, "payload-ran")
     copy_steps(args.dir, os.path.join(base, "forged"), newest)
     if RANK == 0:
-        forge(os.path.join(base, "forged", layout.step_dir(newest)), "zero_pp_rank_0_mp_rank_00_optim_states.pt", marker)
+        forge(os.path.join(base, "forged", layout.step_dir(newest)), "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+              marker)
     dist.barrier()
     step, got = resume_fresh(args.zero, os.path.join(base, "forged"))
     report(check="forged", step=step, ok=step == previous and same(got, expected[previous]),

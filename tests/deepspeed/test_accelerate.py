@@ -51,9 +51,10 @@ def test_a_killed_rank_is_restarted_by_accelerate_launch_and_ends_bit_exact(zero
         assert got["global_step"] == want["global_step"] and got["lr"] == want["lr"]
         assert set(got["fingerprint"]) == set(want["fingerprint"])
         for key, tensor in want["fingerprint"].items():
-            assert torch.equal(got["fingerprint"][key], tensor), f"rank {rank}: {key} differs from the uninterrupted run"
+            assert torch.equal(got["fingerprint"][key], tensor), f"rank {rank}: {key} differs from the reference"
         assert torch.equal(got["probe"], want["probe"]), "the next random numbers differ"
         n = len(got["seen"])
         assert got["seen"] == want["seen"][-n:], "the resumed run trained on other samples or in another order"
-    manifest = layout.read_manifest(Storage(str(tmp_path / "ckpt")), layout.committed_steps(Storage(str(tmp_path / "ckpt")))[-1])
+    storage = Storage(str(tmp_path / "ckpt"))
+    manifest = layout.read_manifest(storage, layout.committed_steps(storage)[-1])
     assert manifest.metadata["model"]["zero_stage"] == zero and manifest.metadata["model"]["dp_world_size"] == 2

@@ -27,7 +27,8 @@ def job(tmp_path, name: str, stage: int, *args, killed: bool = False) -> None:
     proc = subprocess.run(cmd, start_new_session=True, capture_output=True, text=True, timeout=TIMEOUT,
                           env=env({"PYTHONWARNINGS": "ignore"}))
     expected = -9 if killed else 0
-    assert proc.returncode == expected, f"exit {proc.returncode}, expected {expected}\n{(proc.stdout + proc.stderr)[-6000:]}"
+    output = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == expected, f"exit {proc.returncode}, expected {expected}\n{output}"
 
 
 def batches(out, rank: int) -> dict[int, list[int]]:
@@ -46,7 +47,7 @@ def test_the_cpu_bypass_still_matches_lightning():
     setup_environment = inspect.getsource(DeepSpeedStrategy.setup_environment)
     assert CUDA_CHECK in setup_environment and "super().setup_environment()" in setup_environment, \
         "tests/deepspeed/lightning_cpu.py: DeepSpeedStrategy.setup_environment changed"
-    assert DeepSpeedStrategy.__mro__[1] is DDPStrategy, "tests/deepspeed/lightning_cpu.py: DeepSpeedStrategy's base changed"
+    assert DeepSpeedStrategy.__mro__[1] is DDPStrategy, "tests/deepspeed/lightning_cpu.py: the base class changed"
     assert "_validate_device_index_selection(self.parallel_devices)" in inspect.getsource(
         DeepSpeedStrategy.setup_distributed), "tests/deepspeed/lightning_cpu.py: setup_distributed changed"
     assert list(inspect.signature(lightning_deepspeed._validate_device_index_selection).parameters) == \
@@ -63,7 +64,8 @@ def test_deepspeed_strategy_killed_mid_epoch_resumes_bit_exact(tmp_path, stage):
     with open(tmp_path / "out" / "runs.jsonl") as f:
         runs = [json.loads(line) for line in f]
     resumed = [r["resumed_from"] for r in runs if r["resumed_from"] is not None]
-    assert len(runs) == 4 and len(resumed) == 2 and len(set(resumed)) == 1 and 0 < resumed[0] <= kill_at, (kill_at, runs)
+    assert len(runs) == 4 and len(resumed) == 2 and len(set(resumed)) == 1, (kill_at, runs)
+    assert 0 < resumed[0] <= kill_at, (kill_at, runs)
     for rank in (0, 1):
         got = torch.load(tmp_path / "out" / f"final.rank{rank}.pt", weights_only=True)
         want = torch.load(tmp_path / "ref" / f"final.rank{rank}.pt", weights_only=True)
