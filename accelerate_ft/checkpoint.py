@@ -53,7 +53,8 @@ class FaultTolerantCheckpoint:
     verified checkpoint, if any. One line on stderr (main process) says where checkpoints go, what was
     resumed and when the first save is due. It saves models, optimizers
     (through DCP's state-dict helpers, so FSDP shards stay sharded; under DDP the buffers are rank
-    0's), schedulers, the grad scaler, objects passed to ``accelerator.register_for_checkpointing``,
+    0's; under the DeepSpeed plugin each engine saves itself, see ``ft_checkpoint.deepspeed``),
+    schedulers, the grad scaler, objects passed to ``accelerator.register_for_checkpointing``,
     each rank's RNG states, the data position and its own counters.
 
     Saves happen only right after an optimizer step: at the sync points of ``accelerator.accumulate``,

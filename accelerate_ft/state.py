@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 log = logging.getLogger(__name__)
-_UNSUPPORTED = ("DEEPSPEED", "MEGATRON_LM", "XLA")
+_UNSUPPORTED = ("MEGATRON_LM", "XLA")
 
 
 class ModelState:
@@ -170,20 +170,22 @@ def accelerator_state(accelerator: Accelerator) -> dict[str, Any]:
 
     Keys: ``model``, ``model_1``, ... (each with its optimizers), ``unpaired_optimizers`` (optimizers
     over several models; saved with their own ``state_dict``, so not resharded), ``schedulers``,
-    ``scaler``, ``custom`` (``register_for_checkpointing``).
+    ``scaler``, ``custom`` (``register_for_checkpointing``). Under DeepSpeed see :func:`deepspeed_state`.
 
     Raises:
-        ConfigError: for a DeepSpeed, Megatron-LM or XLA accelerator, or when nothing was prepared yet.
+        ConfigError: for a Megatron-LM or XLA accelerator, or when nothing was prepared yet.
     """
     kind = getattr(accelerator.distributed_type, "name", str(accelerator.distributed_type))
     if kind in _UNSUPPORTED:
         raise ConfigError(f"FaultTolerantCheckpoint does not support {kind} (it checkpoints through its own engine). "
-                          "HINT: use DDP, FSDP or a single process, or that engine's own checkpointing")
+                          "HINT: use DDP, FSDP, DeepSpeed or a single process, or that engine's own checkpointing")
     models, optimizers = internals.models(accelerator), internals.optimizers(accelerator)
     registered = internals.registered(accelerator)
     if not models and not optimizers and not registered:
         raise ConfigError("the accelerator has prepared nothing to checkpoint. HINT: create FaultTolerantCheckpoint "
                           "after `model, optimizer, ... = accelerator.prepare(...)`")
+    if kind == "DEEPSPEED":
+        return deepspeed_state(accelerator)
     paired, unpaired = pair_optimizers(models, optimizers)
     if unpaired:
         log.warning("%d optimizer(s) cover parameters of several (or no) prepared models; they are saved with their "
@@ -196,6 +198,29 @@ def accelerator_state(accelerator: Accelerator) -> dict[str, Any]:
     state["schedulers"] = StatefulList("scheduler", internals.schedulers(accelerator))
     state["scaler"] = _Scaler(accelerator.scaler)
     state["custom"] = StatefulList("object registered for checkpointing", registered)
+    return state
+
+
+def deepspeed_state(accelerator: Accelerator) -> dict[str, Any]:
+    """The state of an accelerator with the DeepSpeed plugin, as ``Accelerator.save_state`` saves it.
+
+    Each prepared engine saves itself through DeepSpeed's ``save_checkpoint`` (its model, ZeRO optimizer
+    partitions and the scheduler DeepSpeed was given): ``model``, ``model_1``, ... (the files of
+    ``model_<i>`` are prefixed ``model_<i>.``). Accelerate's optimizer and DeepSpeed scheduler wrappers are
+    not saved again; other schedulers (not given to DeepSpeed) and ``register_for_checkpointing`` objects
+    use their own ``state_dict``.
+    """
+    from accelerate.utils import DeepSpeedSchedulerWrapper
+
+    from ft_checkpoint.deepspeed import DeepSpeedState
+
+    state: dict[str, Any] = {}
+    for i, engine in enumerate(internals.models(accelerator)):
+        key = "model" if i == 0 else f"model_{i}"
+        state[key] = DeepSpeedState(engine, prefix="" if i == 0 else f"{key}.")
+    own = [s for s in internals.schedulers(accelerator) if not isinstance(s, DeepSpeedSchedulerWrapper)]
+    state["schedulers"] = StatefulList("scheduler", own)
+    state["custom"] = StatefulList("object registered for checkpointing", internals.registered(accelerator))
     return state
 
 

@@ -44,12 +44,13 @@ _EXPORTS = {
     "LeaseError": "ft_checkpoint.errors",
     "StateMismatchError": "ft_checkpoint.errors",
     "Preempted": "ft_checkpoint.errors",
+    "DeepSpeedState": "ft_checkpoint.deepspeed",
 }
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
     from ft_checkpoint.config import CheckpointConfig
-    from ft_checkpoint.units import parse_duration
+    from ft_checkpoint.deepspeed import DeepSpeedState
     from ft_checkpoint.engine import CheckpointEngine, SaveStats
     from ft_checkpoint.errors import (
         CheckpointCorruptError,
@@ -67,6 +68,7 @@ if TYPE_CHECKING:
     from ft_checkpoint.policy import AnyOf, EveryInterval, EveryNSteps, OnPreemption, SaveContext, SavePolicy
     from ft_checkpoint.retention import apply_retention
     from ft_checkpoint.storage import Storage
+    from ft_checkpoint.units import parse_duration
 
 
 def __getattr__(name: str) -> Any:

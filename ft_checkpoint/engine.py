@@ -195,14 +195,17 @@ class CheckpointEngine:
     # -- saving --------------------------------------------------------------------------------
     def save(self, step: int, tree: dict[str, Any], *, per_rank: dict[str, Any] | None = None,
              manifest_fields: dict[str, Any] | None = None, listener: SaveListener | None = None,
-             called_at: float | None = None, files: Mapping[str, FileWriter] | None = None) -> SaveStats:
+             called_at: float | None = None,
+             files: Mapping[str, FileWriter] | Callable[[], Mapping[str, FileWriter]] | None = None) -> SaveStats:
         """Stage ``tree`` (tensors and plain values) and write it as step ``step``; returns once staged.
 
         ``per_rank`` is state kept in this rank's own file (RNG states, values that differ by rank), never
         deduplicated across ranks. ``manifest_fields`` (epoch, metadata) go into the manifest. ``files``
         are this rank's files of its own (names unique across ranks), each written in the background by
         its writer (``fn(f)`` writes into ``f``; it must use only what was staged before this call), with
-        its size and CRC-32C in the manifest like every other file.
+        its size and CRC-32C in the manifest like every other file. A callable ``files`` is called (on this
+        thread, part of the stall) once the previous save has committed, so that what it stages may reuse
+        buffers the previous write read from.
         ``listener`` hears about the write (see :class:`SaveListener`). ``called_at`` (a
         ``time.perf_counter()`` value) is when the caller's save began, so the stall counts its work too.
         """
@@ -216,8 +219,9 @@ class CheckpointEngine:
         waited = time.perf_counter() - t0
         self.phase("staging", step)
         tensors, skeleton = split_tree(tree)
+        own = files() if callable(files) else files
         staged = {"tensors": self._stager.stage(tensors), "rank_file": _serialize(skeleton, per_rank or {}),
-                  "files": dict(files or {})}
+                  "files": dict(own or {})}
         stats = SaveStats(step=step, stall=time.perf_counter() - t0, waited=waited)
         self.phase("staged", step)
         self._future = self._executor.submit(self._write_job(stats, staged, manifest_fields or {}, listener))

@@ -48,6 +48,9 @@ from ft_checkpoint.resume import check_for_resume, resume_newest
 from ft_checkpoint.retention import apply_retention
 from ft_checkpoint.slurm import SlurmJob, requeue
 from ft_checkpoint.state import (
+    StepFiles,
+    describe_participants,
+    is_deepspeed_engine,
     load_tree_into,
     rng_state,
     set_rng_state,
@@ -104,6 +107,8 @@ class CheckpointManager:
         policy: A :class:`~ft_checkpoint.policy.SavePolicy`; default: the one ``interval`` names.
         **config: Any :class:`~ft_checkpoint.config.CheckpointConfig` field (``interval``, ``keep_last``,
             ``storage_options``, ...). Explicit arguments win over env vars, which win over the file.
+
+    A DeepSpeed engine in ``state`` saves itself through DeepSpeed's own files (see ``ft_checkpoint.deepspeed``).
 
     Every rank of a distributed job must create the manager and call ``resume``/``maybe_save``/
     ``save``/``close`` at the same steps (the step-based policies guarantee it; time-based ones are
@@ -166,6 +171,7 @@ class CheckpointManager:
         self._newest_committed: int | None = self.groups.on_rank0(
             lambda: max(layout.committed_steps(self.storage), default=None))
         self._events = _SaveEvents(self)
+        self._wrapped: dict[str, Any] = {}
         self.resumed_rng: dict[str, Any] | None = None
         """The RNG states the last resume found for this rank (see ``resume(restore_rng=False)``)."""
         self._last_save_time = time.monotonic()
@@ -298,9 +304,9 @@ class CheckpointManager:
         self.journal.progress(step, force=True)
         ranked = {"rng": rng_state() if self.config.save_rng_state else None,
                   "state": to_tree(per_rank) if per_rank is not None else None}
-        plain, participants = split_participants(state)
-        files, described = stage_participants(participants)
-        stats = self.engine.save(step, to_tree(plain), per_rank=ranked, files=files,
+        plain, participants = self._split_state(state)
+        described = describe_participants(participants)
+        stats = self.engine.save(step, to_tree(plain), per_rank=ranked, files=lambda: stage_participants(participants),
                                  manifest_fields={"epoch": epoch, "metadata": {**described, **(metadata or {})}},
                                  listener=self._events, called_at=called_at)
         self.last_save = stats
@@ -462,7 +468,7 @@ class CheckpointManager:
     def _load(self, opened: OpenedStep, state: dict[str, Any], per_rank: dict[str, Any] | None,
               check: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
         """Load one opened step into ``state`` (and ``per_rank``); returns what the rank file held per rank."""
-        plain, participants = split_participants(state)
+        plain, participants = self._split_state(state)
         tree, ranked = self.engine.load(opened, to_tree(plain))
         if check is not None:
             check(tree)
@@ -474,9 +480,29 @@ class CheckpointManager:
             _warn_unused(load_tree_into(per_rank, ranked["state"]), "per_rank", self.rank)
         _warn_unused(load_tree_into(plain, tree), "state", self.rank)
         state.update(plain)  # values replaced (not loaded in place) go back into the caller's dict
-        for participant in participants.values():
-            participant.load_files(lambda name: self.engine.read_file(opened.manifest, name))
+        manifest = opened.manifest
+        for key, participant in participants.items():
+            opened.touches = True  # from here on a failure may leave the participant half loaded
+            participant.load_files(StepFiles(
+                read=lambda name: self.engine.read_file(manifest, name), names=frozenset(manifest.files),
+                metadata=manifest.metadata.get(key), step=manifest.step, world_size=manifest.world_size))
         return ranked
+
+    def _split_state(self, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(the rest of state, its files participants)``. A DeepSpeed engine is one: it is wrapped in a
+        :class:`~ft_checkpoint.deepspeed.DeepSpeedState`, the same one at every save of this manager (it keeps
+        its staging buffers); with several engines in the state, each one's files are prefixed by its key."""
+        plain, participants = split_participants(state)
+        engines = [k for k, v in plain.items() if is_deepspeed_engine(v)]
+        for key in engines:
+            engine = plain.pop(key)
+            wrapped = self._wrapped.get(key)
+            if wrapped is None or wrapped.engine is not engine:
+                from ft_checkpoint.deepspeed import DeepSpeedState  # DeepSpeed is an optional extra
+
+                wrapped = self._wrapped[key] = DeepSpeedState(engine, prefix="" if len(engines) == 1 else f"{key}.")
+            participants[key] = wrapped
+        return plain, participants
 
     def latest(self) -> int | None:
         """The newest step whose manifest parses (its data not verified; ``resume`` verifies)."""

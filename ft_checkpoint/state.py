@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -41,18 +42,54 @@ class FilesParticipant(Protocol):
     written, checksummed and committed by ft-checkpoint like the rest of a step."""
 
     def stage_files(self) -> dict[str, Callable[[Any], None]]:
-        """At a save, on the training thread: copy what the files need out of the training's way, and return
-        ``{file name: writer}``; each writer later writes its file into the file object it is given, in the
-        background. Names are plain and unique across ranks."""
+        """At a save, on the training thread, once the previous save has committed: copy what the files need
+        out of the training's way, and return ``{file name: writer}``; each writer later writes its file
+        into the file object it is given, in the background. Names are plain and unique across ranks."""
 
-    def load_files(self, read: Callable[[str], bytes]) -> None:
-        """At a resume: load the state from the step's files; ``read(name)`` returns a file's bytes, checked
-        against the manifest. Raise CheckpointCorruptError or StateMismatchError to have the step skipped."""
+    def load_files(self, files: StepFiles) -> None:
+        """At a resume: load the state from the step's files; ``files(name)`` returns a file's bytes, checked
+        against the manifest (see :class:`StepFiles`). Raise CheckpointCorruptError or StateMismatchError
+        to have the step skipped. Called on every rank (collectives are allowed)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFiles:
+    """What a participant's ``load_files`` gets: ``files(name)`` reads a file of the step, checked against
+    its size and CRC-32C in the manifest (CheckpointCorruptError), plus what the manifest says of the step.
+
+    Example:
+        >>> files = StepFiles(read=lambda name: b"abc", names=frozenset({"a.pt"}), metadata={"kind": "toy"},
+        ...                   step=7, world_size=1)
+        >>> files("a.pt"), files.metadata["kind"]
+        (b'abc', 'toy')
+    """
+
+    read: Callable[[str], bytes]
+    names: frozenset[str]
+    """Every file the manifest lists (every rank's, every part's)."""
+    metadata: Any
+    """What this part's ``describe()`` returned at the save (rank 0's), or None."""
+    step: int
+    world_size: int
+    """The number of ranks that saved the step."""
+
+    def __call__(self, name: str) -> bytes:
+        return self.read(name)
 
 
 def is_files_participant(obj: Any) -> bool:
     """Whether ``obj`` saves itself as files of its own (see :class:`FilesParticipant`)."""
     return callable(getattr(obj, "stage_files", None)) and callable(getattr(obj, "load_files", None))
+
+
+def is_deepspeed_engine(obj: Any) -> bool:
+    """Whether ``obj`` is a DeepSpeed engine (checked by class name: DeepSpeed is not imported here).
+
+    Example:
+        >>> is_deepspeed_engine(torch.nn.Linear(1, 1))
+        False
+    """
+    return any(c.__name__ == "DeepSpeedEngine" and c.__module__.startswith("deepspeed.") for c in type(obj).__mro__)
 
 
 def split_participants(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -61,11 +98,14 @@ def split_participants(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[s
     return {k: v for k, v in state.items() if k not in parts}, parts
 
 
-def stage_participants(parts: Mapping[str, Any]) -> tuple[dict[str, Callable[[Any], None]], dict[str, Any]]:
-    """Every participant's staged files (a name used twice is a ConfigError) and what each says of itself
-    for the manifest's metadata (``describe()``, if it has one), by key."""
+def describe_participants(parts: Mapping[str, Any]) -> dict[str, Any]:
+    """What each participant says of itself for the manifest's metadata (``describe()``, if it has one), by key."""
+    return {key: part.describe() for key, part in parts.items() if callable(getattr(part, "describe", None))}
+
+
+def stage_participants(parts: Mapping[str, Any]) -> dict[str, Callable[[Any], None]]:
+    """Every participant's staged files; a name used twice is a ConfigError."""
     files: dict[str, Callable[[Any], None]] = {}
-    described = {}
     for key, part in parts.items():
         staged = part.stage_files()
         clash = sorted(set(files) & set(staged))
@@ -73,9 +113,7 @@ def stage_participants(parts: Mapping[str, Any]) -> tuple[dict[str, Callable[[An
             raise ConfigError(f"state[{key!r}] stages a file named {clash[0]!r}, which another part of the state "
                               "stages too")
         files.update(staged)
-        if callable(getattr(part, "describe", None)):
-            described[key] = part.describe()
-    return files, described
+    return files
 
 
 def to_tree(state: Mapping[str, Any]) -> dict[str, Any]:

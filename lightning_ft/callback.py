@@ -7,8 +7,10 @@ One callback; ``trainer.fit`` then resumes by itself after a crash, a preemption
 
 What is saved is what ``trainer.save_checkpoint`` saves (model, optimizers, LR schedulers, precision
 plugin, loops, other callbacks, datamodule), plus each rank's RNG states and what it takes to put a
-plain ``DataLoader`` back at the next batch of the interrupted epoch. When and where to save, the
-write, the commit and the resume checks are the core's (:class:`ft_checkpoint.CheckpointManager`).
+plain ``DataLoader`` back at the next batch of the interrupted epoch. Under ``DeepSpeedStrategy`` the
+engine saves the model and optimizer as DeepSpeed's own files (``ft_checkpoint.deepspeed``), as
+Lightning's DeepSpeed checkpoints do. When and where to save, the write, the commit and the resume
+checks are the core's (:class:`ft_checkpoint.CheckpointManager`).
 
 Example:
     >>> from lightning_ft import FaultTolerantCheckpoint
@@ -55,17 +57,23 @@ DEFAULT_SUBDIR = "ft_checkpoints"
 
 
 def check_strategy(strategy: Strategy) -> None:
-    """Raise ConfigError unless ``strategy`` is one this callback supports: single device or DDP.
+    """Raise ConfigError unless ``strategy`` is one this callback supports: single device, DDP or DeepSpeed.
 
     Example:
         >>> from lightning.pytorch.strategies import DDPStrategy
         >>> check_strategy(DDPStrategy())
     """
-    if isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and not isinstance(strategy, DeepSpeedStrategy):
+    if isinstance(strategy, DeepSpeedStrategy):
+        if strategy.load_full_weights and strategy.zero_stage_3:
+            raise ConfigError(
+                "DeepSpeedStrategy(load_full_weights=True) restores ZeRO-3 weights from one consolidated file, while "
+                "FaultTolerantCheckpoint resumes from DeepSpeed's own files. HINT: leave load_full_weights off")
+        return
+    if isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
         return
     raise ConfigError(
-        f"FaultTolerantCheckpoint supports single-device and DDP training, not {type(strategy).__name__}: sharded "
-        "strategies (FSDP, DeepSpeed, ModelParallel) need GPUs and are not tested yet. HINT: use strategy='ddp', or "
+        f"FaultTolerantCheckpoint supports single-device, DDP and DeepSpeed training, not {type(strategy).__name__}: "
+        "FSDP and ModelParallel need GPUs and are not tested yet. HINT: use strategy='ddp' or DeepSpeedStrategy, or "
         "Lightning's ModelCheckpoint for this run")
 
 
@@ -166,6 +174,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         """Seconds each of those saves blocked training (taking Lightning's state dict, then staging)."""
         self.resumed_from: int | None = None
         """The step the last fit resumed from, or None."""
+        self._deepspeed: Any = None
         self._reset()
 
     @property
@@ -208,12 +217,17 @@ class FaultTolerantCheckpoint(Checkpoint):
             # lets the ranks agree after an exception, with a deadline (a gloo group honours its timeout)
             timeout = datetime.timedelta(seconds=min(self.drain_timeout, AGREE_TIMEOUT))
             self._exception_group = dist.new_group(backend="gloo", timeout=timeout)
-        internals.intercept_resume(trainer, self._load)
+        internals.intercept_resume(trainer, lambda ckpt_path: self._load(trainer, ckpt_path))
         internals.before_first_iterator(trainer, lambda: self._capture_epoch_start(trainer))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.save_on_exception:
-            self._hooks = [opt.register_step_pre_hook(self._on_optimizer_step) for opt in trainer.optimizers]
+        if self.save_on_exception:  # DeepSpeed's ZeRO optimizers have no step hooks: see on_before_optimizer_step
+            self._hooks = [opt.register_step_pre_hook(self._on_optimizer_step) for opt in trainer.optimizers
+                           if hasattr(opt, "register_step_pre_hook")]
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self.save_on_exception and not hasattr(optimizer, "register_step_pre_hook"):
+            self._on_optimizer_step()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = trainer.global_step
@@ -295,15 +309,20 @@ class FaultTolerantCheckpoint(Checkpoint):
             return os.path.join(trainer.default_root_dir, DEFAULT_SUBDIR), True
         return dirpath, False
 
-    def _load(self, ckpt_path: Any) -> dict[str, Any] | None:
-        """Called by Lightning's restore: the checkpoint dict to resume from, or None."""
+    def _load(self, trainer: pl.Trainer, ckpt_path: Any) -> dict[str, Any] | None:
+        """Called by Lightning's restore: the checkpoint dict to resume from, or None.
+
+        Under DeepSpeed Lightning restores after ``strategy.setup`` (``restore_checkpoint_after_setup``), so
+        the engine exists here and loads its own files; the dict returned lacks ``state_dict`` and
+        ``optimizer_states``, as Lightning's own DeepSpeed checkpoints do.
+        """
         assert self.manager is not None
         if ckpt_path:
             if self.manager.rank == 0:
                 log.info("fit(ckpt_path=%r) was given: resuming from it, not from the newest checkpoint in %s",
                          str(ckpt_path), self.manager.storage.url)
             return None
-        state: dict[str, Any] = {"lightning": {}, "loader": {}}
+        state: dict[str, Any] = {"lightning": {}, "loader": {}, **self._engine_state(trainer)}
         step = self.manager.resume(state)
         if step is None:
             return None
@@ -395,10 +414,28 @@ class FaultTolerantCheckpoint(Checkpoint):
         checkpoint = internals.dump_checkpoint(trainer)
         if loops is not None:
             checkpoint["loops"] = loops
-        if isinstance(trainer.strategy, DDPStrategy) and trainer.world_size > 1:
+        engine = self._engine_state(trainer)
+        if engine:  # the engine saves model and optimizer itself, as in Lightning's own DeepSpeed checkpoints
+            checkpoint = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        elif isinstance(trainer.strategy, DDPStrategy) and trainer.world_size > 1:
             checkpoint["state_dict"] = rank0_buffers(checkpoint["state_dict"], trainer.lightning_module)
         loader = epoch_start.to_state() if epoch_start is not None else {}
-        return {"lightning": to_core(checkpoint), "loader": {**loader, "world_size": trainer.world_size}}
+        return {"lightning": to_core(checkpoint), "loader": {**loader, "world_size": trainer.world_size}, **engine}
+
+    def _engine_state(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """Under DeepSpeed ``{"deepspeed": DeepSpeedState(engine)}`` (one per engine, kept: it reuses its staging
+        buffers), else ``{}``. The engine exists once ``strategy.setup`` ran."""
+        strategy = trainer.strategy
+        if not isinstance(strategy, DeepSpeedStrategy):
+            return {}
+        engine = strategy.deepspeed_engine
+        if self._deepspeed is None or self._deepspeed.engine is not engine:
+            from ft_checkpoint.deepspeed import DeepSpeedState
+
+            self._deepspeed = DeepSpeedState(engine, load_module_strict=trainer.lightning_module.strict_loading,
+                                             load_lr_scheduler_states=False,  # Lightning restores its schedulers
+                                             exclude_frozen_parameters=strategy.exclude_frozen_parameters)
+        return {"deepspeed": self._deepspeed}
 
     def _save(self, trainer: pl.Trainer, step: int, snapshot: Callable[[], dict[str, Any]], *,
               if_due: bool = False) -> None:

@@ -7,12 +7,18 @@ import sys
 
 import pytest
 
+# Importing a blocked package fails; asking whether it is there (importlib.util.find_spec, as transformers does
+# when torchmetrics imports it) still answers, as for any installed package that is never imported.
 BLOCK = """
-import sys
+import importlib.machinery, sys
 class Block:
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in {blocked!r}:
-            raise ImportError("blocked for this test: " + name)
+            return importlib.machinery.ModuleSpec(name, self)
+    def create_module(self, spec):
+        raise ImportError("blocked for this test: " + spec.name)
+    def exec_module(self, module):
+        pass
 sys.meta_path.insert(0, Block())
 """
 
@@ -45,3 +51,14 @@ assert "torch" not in sys.modules
 @pytest.mark.parametrize("package,blocked", [("lightning_ft", "accelerate"), ("accelerate_ft", "lightning")])
 def test_integrations_do_not_import_each_other(package, blocked):
     run_blocked({blocked}, f"import {package}\n")
+
+
+def test_deepspeed_is_imported_only_when_a_deepspeed_engine_is_saved():
+    run_blocked({"deepspeed"}, """
+import torch
+import ft_checkpoint.deepspeed
+from ft_checkpoint import CheckpointManager
+m = CheckpointManager("memory://imports-deepspeed", interval=5, announce=False)
+m.save(1, {"w": torch.zeros(1)}, block=True); m.close()
+assert "deepspeed" not in sys.modules
+""")

@@ -341,8 +341,10 @@ def _inspect_lines(info: dict[str, Any]) -> list[str]:
              "versions: " + ", ".join(f"{k} {v}" for k, v in sorted(m["versions"].items()))]
     if m["metadata"]:
         lines.append(f"metadata: {json.dumps(m['metadata'])}")
+    lines += _deepspeed_lines(m["metadata"])
     lines.append(f"files ({len(m['files'])}, {human_bytes(sum(f['size'] for f in m['files'].values()))}):")
-    lines += [f"  {name:<24}{human_bytes(f['size']):>10}  {f['checksum'][:23]}..."
+    names = max([len(name) for name in m["files"]] + [22]) + 2
+    lines += [f"  {name:<{names}}{human_bytes(f['size']):>10}  {f['checksum'][:23]}..."
               for name, f in sorted(m["files"].items())]
     lines.append(f"tensors ({len(tensors)}, {human_bytes(sum(t['bytes'] for t in tensors))}; "
                  "from the tensor metadata, no data read):")
@@ -350,6 +352,17 @@ def _inspect_lines(info: dict[str, Any]) -> list[str]:
     lines += [f"  {t['name']:<{width}}{t['dtype']:<10}{str(t['shape']):<20}{human_bytes(t['bytes']):>9}"
               for t in tensors]
     return lines
+
+
+def _deepspeed_lines(metadata: Any) -> list[str]:
+    """One line per DeepSpeed engine the step holds (see ``ft_checkpoint.deepspeed``): ZeRO stage, parallel sizes."""
+    if not isinstance(metadata, dict):
+        return []
+    engines = {k: v for k, v in metadata.items() if isinstance(v, dict) and v.get("kind") == "deepspeed"}
+    return [f"deepspeed engine {key!r}: ZeRO stage {d.get('zero_stage')}, data-parallel {d.get('dp_world_size')}, "
+            f"model-parallel {d.get('mp_world_size')}, pipeline-parallel {d.get('pp_world_size')} "
+            f"(deepspeed {d.get('deepspeed')}; its files are DeepSpeed's, under their own names)"
+            for key, d in sorted(engines.items())]
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
