@@ -12,6 +12,17 @@ import pytest
 from ft_checkpoint.testing import servers
 
 
+def pytest_ignore_collect(collection_path, config):
+    """Only ``test_*.py`` and ``conftest.py`` are collected below ``tests/``.
+
+    ``--doctest-modules`` would otherwise import every script here (training scripts that read ``sys.argv``,
+    DeepSpeed's, which import ``deepspeed`` into the process that runs every other test); they hold no doctests.
+    """
+    if collection_path.suffix == ".py" and not collection_path.name.startswith(("test_", "conftest")):
+        return True
+    return None
+
+
 @pytest.fixture(scope="session")
 def gcs_server():
     server = servers.start("gcs")

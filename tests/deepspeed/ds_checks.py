@@ -28,7 +28,8 @@ from ft_checkpoint import _deepspeed_internals as internals  # noqa: E402
 from ft_checkpoint.deepspeed import DeepSpeedState  # noqa: E402
 from tests.deepspeed.ds_train import make_engine  # noqa: E402
 
-OUT = sys.argv[1]
+OUT = ""
+"""The report directory, ``sys.argv[1]`` (set by ``main``: importing this module reads no arguments)."""
 
 
 def report(check: str, ok: bool, detail: object = None) -> None:
@@ -236,6 +237,8 @@ def universal(directory: str) -> None:
 
 
 def main() -> None:
+    global OUT
+    OUT = sys.argv[1]
     os.makedirs(OUT, exist_ok=True)
     what = sys.argv[2]
     if what == "internals":
