@@ -30,13 +30,12 @@ import logging
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ft_checkpoint import CheckpointManager, ConfigError, SaveStats, SavePolicy
-from ft_checkpoint.state import rng_state
-
 from accelerate_ft import _accelerate_internals as internals
 from accelerate_ft import data
 from accelerate_ft.plugin import SETTINGS, FaultTolerantCheckpointPlugin
 from accelerate_ft.state import accelerator_state
+from ft_checkpoint import CheckpointManager, ConfigError, SavePolicy, SaveStats
+from ft_checkpoint.state import rng_state
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -236,6 +235,7 @@ class FaultTolerantCheckpoint:
         self._report_commits()
         metadata = {"epoch": self.epoch, "batches_done": self._batches_done}
         if self.manager.maybe_save(self.global_step, self.state, epoch=self.epoch, metadata=metadata):
+            assert self.manager.last_save is not None
             self._saves_to_report.append(self.manager.last_save)
             started = self.manager.metrics()  # this save's stall and the current interval
             self._log({k: v for k, v in started.items() if k not in ("durable_s", "bytes")})

@@ -41,9 +41,8 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler
 
-from ft_checkpoint.state import set_rng_state
-
 from accelerate_ft import _accelerate_internals as internals
+from ft_checkpoint.state import set_rng_state
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +133,7 @@ def set_epoch(loader: Any, epoch: int) -> None:
     if callable(getattr(loader, "set_epoch", None)):
         loader.set_epoch(epoch)
         return
-    sampler = getattr(loader, "sampler", None)
+    sampler: Any = getattr(loader, "sampler", None)
     if callable(getattr(sampler, "set_epoch", None)):
         sampler.set_epoch(epoch)
 
@@ -156,7 +155,7 @@ class _IndexBatches(BatchSampler):
     KEEP = 4
     """How many of the newest batches' states are kept (a prepared loader fetches one batch ahead)."""
 
-    def __init__(self, batch_sampler: Iterable[list[int]], skip: int = 0,
+    def __init__(self, batch_sampler: Any, skip: int = 0,
                  plan: dict[int, dict[str, Any]] | None = None) -> None:  # no super().__init__: attributes delegate
         self._batch_sampler = batch_sampler
         self._skip = skip
@@ -175,7 +174,7 @@ class _IndexBatches(BatchSampler):
             yield indices
 
     def __len__(self) -> int:
-        return max(0, len(self._batch_sampler) - self._skip)  # type: ignore[arg-type]
+        return max(0, len(self._batch_sampler) - self._skip)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):

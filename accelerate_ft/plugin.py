@@ -25,7 +25,6 @@ from typing import Any
 
 from ft_checkpoint import CheckpointConfig
 
-
 # One field per core setting, each defaulting to None ("not given"): generated, so the plugin always
 # offers exactly the settings of ``CheckpointConfig`` (documented there) and never drifts from it.
 _Settings = dataclasses.make_dataclass(
@@ -37,7 +36,7 @@ SETTINGS = tuple(f.name for f in dataclasses.fields(CheckpointConfig))
 
 
 @dataclasses.dataclass(kw_only=True)
-class FaultTolerantCheckpointPlugin(_Settings):
+class FaultTolerantCheckpointPlugin(_Settings):  # type: ignore[valid-type, misc]  # a generated base
     """Settings of :class:`~accelerate_ft.FaultTolerantCheckpoint`; None means "from env or file".
 
     Its fields are those of :class:`ft_checkpoint.CheckpointConfig`, each defaulting to None:

@@ -30,17 +30,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_state_dict,
 )
-
-from ft_checkpoint import ConfigError
+from torch.distributed.tensor import DTensor
 
 from accelerate_ft import _accelerate_internals as internals
+from ft_checkpoint import ConfigError
 
 if TYPE_CHECKING:
     from accelerate import Accelerator

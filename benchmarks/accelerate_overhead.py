@@ -28,9 +28,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 from accelerate import Accelerator
+from save_stall import fsync_tree, make_state, state_bytes  # this folder: the same state as the core benchmark
 
 from accelerate_ft import FaultTolerantCheckpoint
-from save_stall import fsync_tree, make_state, state_bytes  # this folder: the same state as the core benchmark
 
 KEEP = 2
 """Checkpoints kept by every method (ours: ``keep_last``)."""

@@ -135,7 +135,7 @@ def lightning(ckpt: str, probe: Probe) -> None:
     import lightning.pytorch as pl
 
     from lightning_ft import FaultTolerantCheckpoint
-    from tests.lightning.models import Data, Net, trainer
+    from lightning_ft.testing import Data, Net, trainer
 
     class ProbedNet(Net):
         def setup(self, stage: str) -> None:  # after every callback's setup (ft made its manager), before resume

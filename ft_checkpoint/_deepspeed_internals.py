@@ -60,7 +60,7 @@ def check_version(version: str | None = None) -> bool:
     return ok
 
 
-def safe_globals() -> list[type]:
+def safe_globals() -> list[Any]:
     """The classes of :data:`SAFE_GLOBALS`, each checked to be defined where it is named (no re-export)."""
     out = []
     for module, name in SAFE_GLOBALS:

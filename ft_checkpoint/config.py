@@ -24,7 +24,6 @@ import difflib
 import json
 import math
 import os
-import re
 from collections.abc import Callable
 from typing import Any
 

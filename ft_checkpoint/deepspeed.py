@@ -216,7 +216,7 @@ def _engine_class() -> type:
 
 
 def _define_engine_class(base: type) -> type:
-    class FTCheckpointEngine(base):  # type: ignore[misc, valid-type]
+    class FTCheckpointEngine(base):
         """DeepSpeed's checkpoint engine interface for ft-checkpoint: inside a save of ours ``save`` captures
         (nothing is written), inside a load of ours ``load`` serves checked files; otherwise the engine it
         replaced does the work (``engine.save_checkpoint(dir)`` by the user still writes DeepSpeed files)."""

@@ -1,4 +1,4 @@
-"""The engine: stage, write in the background, commit with a manifest; and load a checked step.
+"""The engine: stage, write in the background, commit with a manifest (loading: ``loading``).
 
 A save blocks the caller only while the state is staged: tensors are copied into host buffers that are
 allocated once and reused by every later save (pinned, with non-blocking copies, for CUDA tensors; see
@@ -26,9 +26,8 @@ Example:
     >>> stats = eng.save(10, {"w": torch.arange(3.0)})
     >>> eng.wait().step
     10
-    >>> manifest = layout.read_manifest(eng.storage, 10)
-    >>> eng.load(eng.open_step(manifest), {"w": torch.zeros(3)})[0]["w"]
-    tensor([0., 1., 2.])
+    >>> sorted(layout.read_manifest(eng.storage, 10).files)
+    ['__0_0.distcp', 'metadata.json', 'rank_00000.pt']
     >>> eng.close()
 """
 
@@ -44,26 +43,17 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
-import tenacity
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ft_checkpoint import checksum, layout, legacy, shards
+from ft_checkpoint import checksum, layout, retry, shards
 from ft_checkpoint.dist import Groups
-from ft_checkpoint.errors import (
-    CheckpointCorruptError,
-    ConfigError,
-    LeaseError,
-    SaveError,
-    StateMismatchError,
-    StorageError,
-)
+from ft_checkpoint.errors import ConfigError, LeaseError, SaveError, StateMismatchError
 from ft_checkpoint.shards import ThreadSink, set_thread_priority
 from ft_checkpoint.staging import Stager
-from ft_checkpoint.state import merge_tree, split_tree
-from ft_checkpoint.storage import Storage, is_transient
+from ft_checkpoint.state import split_tree
+from ft_checkpoint.storage import Storage
 from ft_checkpoint.writer_process import ProcessSink, WriterProcess
 
 log = logging.getLogger(__name__)
@@ -106,47 +96,6 @@ class SaveListener(Protocol):
         """The previous save failed; raise to stop this save, return to go on."""
 
 
-@dataclasses.dataclass
-class OpenedStep:
-    """A step whose small files were read and checked, ready to load: see :meth:`CheckpointEngine.open_step`."""
-
-    manifest: layout.Manifest
-    metadata: Metadata
-    rank_state: dict[str, Any]
-    touches: bool = False
-    """Whether a :meth:`CheckpointEngine.load` of it began filling tensors of the state in place."""
-
-
-class _TransientSaveError(SaveError):
-    """A save failed on some rank with a transient storage error: worth retrying whole."""
-
-
-def _dcp_failures(e: BaseException) -> list[BaseException]:
-    """The per-rank exceptions inside DCP's CheckpointException (values are ``(exception, trace)``)."""
-    if not isinstance(e, CheckpointException):
-        return []
-    return [v[0] if isinstance(v, tuple) else v for v in e.failures.values()]
-
-
-def _transient(e: BaseException) -> bool:
-    if isinstance(e, _TransientSaveError):
-        return True
-    if isinstance(e, CheckpointException):
-        return any(isinstance(x, BaseException) and is_transient(x) for x in _dcp_failures(e))
-    return is_transient(e)
-
-
-def _corrupt(e: BaseException) -> bool:
-    return isinstance(e, CheckpointCorruptError) or any(isinstance(x, CheckpointCorruptError) for x in _dcp_failures(e))
-
-
-def _describe_dcp(e: BaseException) -> str:
-    """One line per failed rank instead of DCP's multi-line tracebacks."""
-    if not isinstance(e, CheckpointException):
-        return f"{type(e).__name__}: {e}"
-    return "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, x in zip(e.failures, _dcp_failures(e)))
-
-
 def _versions() -> dict[str, str]:
     from ft_checkpoint import __version__
 
@@ -183,7 +132,6 @@ class CheckpointEngine:
         self.writers = writers
         self.writer = writer
         self.priority = priority
-        self.retries = storage.retries
         self._stager = Stager(shared=writer == "process")
         self._processes: list[WriterProcess] = []
         self._processes_arena: Any = None
@@ -287,21 +235,9 @@ class CheckpointEngine:
         and DCP reports a failure of any rank to all of them.
         """
         try:
-            return self._retrying("save", stats.step)(self._write_once, stats, staged, fields, listener)
+            return retry.retrying(self.storage, "save", stats.step)(self._write_once, stats, staged, fields, listener)
         except CheckpointException as e:  # DCP's exception is a BaseException: make it one callers catch
-            raise SaveError(f"step {stats.step} not committed: {_describe_dcp(e)}") from e
-
-    def _retrying(self, what: str, step: int) -> tenacity.Retrying:
-        """Retries of a whole save or load after a transient error (each storage call was retried already);
-        every rank sees the same failures (see :meth:`_agree`; DCP reports a rank's failure to all)."""
-        return tenacity.Retrying(
-            retry=tenacity.retry_if_exception(lambda e: _transient(e) and not _corrupt(e)),
-            stop=tenacity.stop_after_attempt(max(1, self.retries)),
-            wait=tenacity.wait_random_exponential(multiplier=self.storage.backoff, max=10),
-            before_sleep=lambda rs: log.warning(
-                "%s of step %d failed with a transient error (%s); retrying it whole (%d of %d)", what, step,
-                _describe_dcp(rs.outcome.exception()), rs.attempt_number + 1, self.retries),
-            reraise=True)
+            raise SaveError(f"step {stats.step} not committed: {retry.describe(e)}") from e
 
     def _write_once(self, stats: SaveStats, staged: dict[str, Any], fields: dict[str, Any],
                     listener: SaveListener | None) -> int | None:
@@ -344,11 +280,11 @@ class CheckpointEngine:
         """Run ``fn`` on every rank; if it failed anywhere, raise on every rank (no rank is left waiting
         in a collective). Returns ``fn``'s result, or every rank's results with ``gather``."""
         try:
-            outcome = (True, fn(), False)
+            outcome: tuple[bool, Any, Any] = (True, fn(), False)
         except LeaseError as e:  # another job writes here now: every rank stops, whatever on_save_error says
             outcome = (False, f"rank {self.groups.rank}: LeaseError: {e}", "lease")
         except Exception as e:
-            outcome = (False, f"rank {self.groups.rank}: {type(e).__name__}: {e}", _transient(e))
+            outcome = (False, f"rank {self.groups.rank}: {type(e).__name__}: {e}", retry.transient(e))
         outcomes = self.groups.all_gather(outcome, writer=True)
         failures = [msg for ok, msg, _ in outcomes if not ok]
         if failures:
@@ -356,7 +292,7 @@ class CheckpointEngine:
             message = f"step {step} not committed: " + "; ".join(failures)
             if "lease" in kinds:
                 raise LeaseError(message)
-            raise (_TransientSaveError if any(kinds) else SaveError)(message)
+            raise (retry.TransientSaveError if any(kinds) else SaveError)(message)
         return [value for _, value, _ in outcomes] if gather else outcome[1]
 
     def _sinks(self) -> list[shards.Sink]:
@@ -394,10 +330,6 @@ class CheckpointEngine:
             out[name] = layout.FileEntry(size=size, checksum=checksum.format_crc(crc))
         return out
 
-    def read_file(self, manifest: layout.Manifest, name: str) -> bytes:
-        """A file of a step, checked against its size and checksum in the manifest (CheckpointCorruptError)."""
-        return self._read_checked(manifest, name)
-
     def _write_rank_file(self, rel: str, data: bytes) -> tuple[str, layout.FileEntry]:
         try:
             torch.load(io.BytesIO(data), weights_only=True)
@@ -408,99 +340,6 @@ class CheckpointEngine:
         name = layout.rank_file(self.groups.rank)
         self.storage.write_bytes(f"{rel}/{name}", data, atomic=False)
         return name, layout.FileEntry(size=len(data), checksum=layout.checksum([data]))
-
-    # -- loading -------------------------------------------------------------------------------
-    def open_step(self, manifest: layout.Manifest) -> OpenedStep:
-        """Read and check the small files of a step whose manifest checked: the tensor metadata (JSON, or
-        format 1's pickle through the allowlist) and this rank's state file, each against its checksum.
-
-        Raises:
-            CheckpointCorruptError: before anything is loaded into the training state.
-        """
-        step = manifest.step
-        if legacy.is_legacy(manifest):
-            metadata = legacy.parse_metadata(self._read_checked(manifest, legacy.METADATA), manifest)
-        else:
-            metadata = shards.parse_metadata(self._read_checked(manifest, layout.METADATA), manifest)
-        name = self._rank_file_name(manifest)
-        data = self._read_checked(manifest, name)
-        try:
-            rank_state = torch.load(io.BytesIO(data), weights_only=True)
-        except Exception as e:
-            raise CheckpointCorruptError(f"{self.storage.url_of(layout.step_dir(step))}/{name}: cannot be loaded "
-                                         f"safely ({type(e).__name__}: {e})") from e
-        if not isinstance(rank_state, dict) or set(rank_state) != {"skeleton", "per_rank"} \
-                or not isinstance(rank_state["per_rank"], dict):
-            raise CheckpointCorruptError(f"{name}: not an ft-checkpoint rank file")
-        return OpenedStep(manifest=manifest, metadata=metadata, rank_state=rank_state)
-
-    def _read_checked(self, manifest: layout.Manifest, name: str) -> bytes:
-        entry = manifest.files.get(name)
-        if entry is None:
-            raise CheckpointCorruptError(f"the manifest lists no {name}")
-        data = self.storage.read_bytes(f"{layout.step_dir(manifest.step)}/{name}")
-        if len(data) != entry.size or not checksum.matches(entry.checksum, [data]):
-            raise CheckpointCorruptError(f"{name}: does not match its checksum (corrupted)")
-        return data
-
-    def _rank_file_name(self, manifest: layout.Manifest) -> str:
-        name = layout.rank_file(self.groups.rank)
-        if self.groups.rank >= manifest.world_size:
-            name = layout.rank_file(self.groups.rank % manifest.world_size)
-            log.warning("step %d was saved by %d ranks; rank %d takes the non-tensor state of %s",
-                        manifest.step, manifest.world_size, self.groups.rank, name)
-        return name
-
-    def load(self, opened: OpenedStep, tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Load an opened step: ``(saved tree, this rank's per_rank state)``. Collective.
-
-        Tensors of ``tree`` (the current state) with a saved key are filled in place (DTensors are
-        resharded by DCP); a saved tensor the state lacks is read into a new CPU tensor. Every byte read
-        is checked against its chunk's CRC (format 1: the files were checked before).
-
-        Raises:
-            StateMismatchError: a saved tensor has another shape or dtype than the state's (nothing loaded).
-            CheckpointCorruptError: bytes that do not match their checksum, or a file that ends early.
-            StorageError: the storage failed (after retries).
-        """
-        step = opened.manifest.step
-        current = split_tree(tree)[0]
-        targets = self._targets(opened.metadata, current)
-        opened.touches = any(current.get(k) is t for k, t in targets.items())
-        rel = layout.step_dir(step)
-        def read() -> None:
-            reader = (legacy.LegacyReader(self.storage, rel, opened.metadata) if legacy.is_legacy(opened.manifest)
-                      else shards.ShardReader(self.storage, rel, opened.metadata))
-            dcp.load(targets, storage_reader=reader, process_group=self.groups.writer, no_dist=not self.groups.distributed)
-
-        try:
-            self._retrying("loading", step)(read)
-        except CheckpointException as e:  # a BaseException: make it one callers can catch
-            error = CheckpointCorruptError if _corrupt(e) or not _transient(e) else StorageError
-            raise error(f"loading step {step} from {self.storage.url} failed: {_describe_dcp(e)}") from e
-        rank_state = opened.rank_state
-        return merge_tree(rank_state["skeleton"], targets), rank_state["per_rank"]
-
-    @staticmethod
-    def _targets(metadata: Metadata, current: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        targets: dict[str, torch.Tensor] = {}
-        mismatched = []
-        for key, md in metadata.state_dict_metadata.items():
-            if not isinstance(md, TensorStorageMetadata):
-                continue
-            have = current.get(key)
-            if have is None:
-                targets[key] = torch.empty(md.size, dtype=md.properties.dtype)
-            elif tuple(have.shape) != tuple(md.size) or have.dtype != md.properties.dtype:
-                mismatched.append(f"{key}: saved {list(md.size)} {md.properties.dtype}, the state has "
-                                  f"{list(have.shape)} {have.dtype}")
-            else:
-                targets[key] = have
-        if mismatched:
-            raise StateMismatchError("the checkpoint's tensors do not fit the state: " + "; ".join(mismatched[:5])
-                                     + (f" (and {len(mismatched) - 5} more)" if len(mismatched) > 5 else ""))
-        return targets
-
 
 FileWriter = Callable[[Any], None]
 """Writes one file's bytes into the file object it is given (``torch.save(obj, f)``, ``f.write(...)``)."""

@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 from ft_checkpoint import jsonfile
 from ft_checkpoint.background import submit
@@ -209,7 +209,7 @@ def parse_progress(data: bytes, *, attempt: str, now: float | None = None) -> di
 
 def _check_time(obj: dict[str, Any], attempt: str, now: float | None) -> float:
     """``obj["time"]``: a finite number within ``CLOCK_SLACK`` of the attempt's life."""
-    t = jsonfile.get_number(obj, "time")
+    t = cast(float, jsonfile.get_number(obj, "time"))  # not optional: never None
     start, now = attempt_start_time(attempt), time.time() if now is None else now
     if not start - CLOCK_SLACK <= t <= now + CLOCK_SLACK:
         raise ValueError(f"time={t!r} lies outside the attempt's life (it started at {start:.0f}, now is {now:.0f})")
@@ -270,8 +270,8 @@ class JournalReader:
             if last is None:
                 continue  # no readable event: nothing is known about this attempt
             progress = self._progress(attempt) if PROGRESS in names else None
-            ended = any(_EVENT_RE.match(n).group(1) in ENDED_EVENTS and self._event(attempt, n) is not None
-                        for n in events)
+            ended = any(m.group(1) in ENDED_EVENTS and self._event(attempt, n) is not None
+                        for n in events if (m := _EVENT_RE.match(n)))
             end = max(last["time"], progress["time"]) if progress else last["time"]
             out.append({"attempt": attempt, "start": attempt_start_time(attempt), "end": end, "ended": ended,
                         "last_step": progress.get("step") if progress else None,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Any, TypeGuard
 
 from ft_checkpoint.units import short
 
@@ -49,12 +49,12 @@ def load_object(data: bytes, *, max_bytes: int = MAX_BYTES) -> dict[str, Any]:
     return value
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: Any) -> TypeGuard[int]:
     """Whether ``value`` is an ``int`` (a ``bool`` is not)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_number(value: Any) -> bool:
+def is_number(value: Any) -> TypeGuard[float]:
     """Whether ``value`` is a finite ``int`` or ``float`` (a ``bool`` is not)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False

@@ -38,6 +38,7 @@ from typing import Any
 
 from ft_checkpoint import checksum as crc
 from ft_checkpoint.errors import CheckpointCorruptError, StorageNotFoundError
+from ft_checkpoint.jsonfile import is_int
 from ft_checkpoint.storage import Storage
 from ft_checkpoint.units import short
 
@@ -157,7 +158,7 @@ class Manifest:
         if not isinstance(d, dict) or d.pop("format", None) != "ft-checkpoint":
             raise CheckpointCorruptError(f"{where}: not an ft-checkpoint manifest")
         version = d.get("format_version")
-        if _is_int(version) and version > FORMAT_VERSION:
+        if is_int(version) and version > FORMAT_VERSION:
             raise CheckpointCorruptError(
                 f"{where}: format_version {version!r} is newer than this ft-checkpoint supports "
                 f"({FORMAT_VERSION}). HINT: upgrade ft-checkpoint to read it")
@@ -166,10 +167,6 @@ class Manifest:
 
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not allowed")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _checked_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
@@ -185,10 +182,10 @@ def _checked_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
         if field not in d:
             raise CheckpointCorruptError(f"{where}: field {field!r} is missing")
     checks: dict[str, tuple[Callable[[Any], bool], str]] = {
-        "format_version": (lambda v: _is_int(v) and 1 <= v <= FORMAT_VERSION, f"an integer from 1 to {FORMAT_VERSION}"),
-        "step": (lambda v: _is_int(v) and 0 <= v < MAX_STEP, "an integer in [0, 10**12)"),
-        "world_size": (lambda v: _is_int(v) and 1 <= v <= 10**7, "an integer >= 1"),
-        "epoch": (lambda v: v is None or (_is_int(v) and v >= 0), "null or an integer >= 0"),
+        "format_version": (lambda v: is_int(v) and 1 <= v <= FORMAT_VERSION, f"an integer from 1 to {FORMAT_VERSION}"),
+        "step": (lambda v: is_int(v) and 0 <= v < MAX_STEP, "an integer in [0, 10**12)"),
+        "world_size": (lambda v: is_int(v) and 1 <= v <= 10**7, "an integer >= 1"),
+        "epoch": (lambda v: v is None or (is_int(v) and v >= 0), "null or an integer >= 0"),
         "time": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
                  "a finite number (seconds since the epoch)"),
         "versions": (lambda v: isinstance(v, dict) and all(isinstance(x, str) for kv in v.items() for x in kv),
@@ -211,7 +208,7 @@ def _file_entry(name: Any, entry: Any, where: str) -> FileEntry:
         raise CheckpointCorruptError(f"{where}: the entry of {name} is {short(entry)}: expected "
                                      '{"size": <int>, "checksum": <str>}')
     size, check = entry["size"], entry["checksum"]
-    if not _is_int(size) or size < 0:
+    if not is_int(size) or size < 0:
         raise CheckpointCorruptError(f"{where}: the size of {name} is {short(size)}: expected an integer >= 0")
     if not crc.is_valid(check):
         raise CheckpointCorruptError(f"{where}: the checksum of {name} is {short(check)}: expected "

@@ -140,7 +140,7 @@ def parse_lease(data: bytes, *, now: float, timeout: float) -> dict[str, Any]:
         ValueError: pid='x': expected an integer
     """
     obj = jsonfile.load_object(data)
-    record = {"attempt": jsonfile.get_str(obj, "attempt"), "host": jsonfile.get_str(obj, "host"),
+    record: dict[str, Any] = {"attempt": jsonfile.get_str(obj, "attempt"), "host": jsonfile.get_str(obj, "host"),
               "pid": jsonfile.get_int(obj, "pid", minimum=1, maximum=_MAX_PID),
               "job": jsonfile.get_str(obj, "job", optional=True), "restarts": _parse_restarts(obj.get("restarts")),
               "heartbeat": jsonfile.get_number(obj, "heartbeat")}

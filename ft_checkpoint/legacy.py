@@ -29,16 +29,14 @@ import io
 import os
 import pickle
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
-from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as _DCPFsspecAdapter
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
 from ft_checkpoint import layout, shards, tensor_metadata
+from ft_checkpoint._dcp_internals import STORAGE_INFO_NAME, FsspecFileSystem, FsspecReader, StorageInfo
 from ft_checkpoint.errors import CheckpointCorruptError
 from ft_checkpoint.storage import Storage
 
@@ -47,7 +45,7 @@ _DCP = "torch.distributed.checkpoint.metadata"
 _ALLOWED = {
     (_DCP, "Metadata"), (_DCP, "TensorStorageMetadata"), (_DCP, "ChunkStorageMetadata"),
     (_DCP, "TensorProperties"), (_DCP, "BytesStorageMetadata"), (_DCP, "MetadataIndex"), (_DCP, "StorageMeta"),
-    (_DCP, "_MEM_FORMAT_ENCODING"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    (_DCP, "_MEM_FORMAT_ENCODING"), STORAGE_INFO_NAME,
     ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
 } | {("torch", name) for name in shards.DTYPES}
 """Exactly the classes and functions DCP's metadata pickles refer to (dtypes by name)."""
@@ -108,14 +106,14 @@ def parse_metadata(data: bytes, manifest: layout.Manifest) -> Metadata:
         _check_storage_info(index, info, sizes)
         ranges.append(tensor_metadata.ChunkEntry((), (), info.relative_path, info.offset, info.length, 0))
     tensor_metadata.check_ranges(ranges)
-    needed = {MetadataIndex(fqn, c.offsets) for fqn, md in state.items() for c in md.chunks}
+    needed = {MetadataIndex(fqn, c.offsets) for fqn, md in state.items() for c in cast(TensorStorageMetadata, md).chunks}
     if needed - set(storage):
         raise CheckpointCorruptError(f"{METADATA}: a chunk has no storage entry")
     return metadata
 
 
 def _check_storage_info(index: Any, info: Any, sizes: dict[str, int]) -> None:
-    if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
+    if not isinstance(index, MetadataIndex) or not isinstance(info, StorageInfo):
         raise CheckpointCorruptError(f"{METADATA}: malformed storage entry")
     if info.relative_path not in sizes:
         raise CheckpointCorruptError(f"{METADATA}: {str(index.fqn)[:80]!r} is stored in {str(info.relative_path)[:80]!r}, "
@@ -126,13 +124,13 @@ def _check_storage_info(index: Any, info: Any, sizes: dict[str, int]) -> None:
                                      f"{info.relative_path}")
 
 
-class _StorageAdapter(_DCPFsspecAdapter):
+class _StorageAdapter(FsspecFileSystem):
     """DCP's fsspec adapter on our storage's filesystem instance: each open retried on transient errors."""
 
     def __init__(self, storage: Storage) -> None:
         super().__init__()
         self.storage = storage
-        self.fs = storage.fs
+        self.fs: Any = storage.fs
 
     @contextlib.contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
@@ -146,7 +144,7 @@ class LegacyReader(FsspecReader):
 
     def __init__(self, storage: Storage, rel: str, metadata: Metadata) -> None:
         super().__init__(storage.url_of(rel), **storage.storage_options)
-        self.fs = _StorageAdapter(storage)
+        self.fs = _StorageAdapter(storage)  # type: ignore[assignment]  # DCP types it as its own FileSystem
         self._metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:

@@ -21,82 +21,43 @@ import atexit
 import logging
 import sys
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ft_checkpoint import layout
-from ft_checkpoint.adaptive.failures import count_failures
 from ft_checkpoint.adaptive.policy import AdaptiveInterval
-from ft_checkpoint.background import submit
 from ft_checkpoint.config import CheckpointConfig
 from ft_checkpoint.cost import CostMeter
 from ft_checkpoint.dist import Groups
-from ft_checkpoint.engine import CheckpointEngine, OpenedStep, SaveStats
-from ft_checkpoint.errors import ConfigError, LeaseError, Preempted, SaveError, StateMismatchError, StorageError
+from ft_checkpoint.engine import CheckpointEngine, SaveStats
+from ft_checkpoint.errors import ConfigError, LeaseError, Preempted, SaveError
 from ft_checkpoint.journal import Journal, attempt_summaries
 from ft_checkpoint.lease import Lease
+from ft_checkpoint.loading import StepLoader, load_state
 from ft_checkpoint.policy import (
-    EveryInterval,
-    EveryNSteps,
     SaveContext,
     SavePolicy,
+    describe_policy,
+    find_policy,
     policy_from_interval,
+    policy_metrics,
 )
 from ft_checkpoint.preemption import PreemptionWatcher
-from ft_checkpoint.resume import check_for_resume, resume_newest
-from ft_checkpoint.retention import apply_retention
+from ft_checkpoint.resume import check_for_resume, refuse_older_step, resume_newest
+from ft_checkpoint.save_events import SaveEvents
 from ft_checkpoint.slurm import SlurmJob, requeue
 from ft_checkpoint.state import (
-    StepFiles,
+    Participants,
     describe_participants,
-    is_deepspeed_engine,
-    load_tree_into,
     rng_state,
     set_rng_state,
-    split_participants,
     stage_participants,
     to_tree,
 )
 from ft_checkpoint.storage import Storage
-from ft_checkpoint.units import human_bytes, human_seconds, parse_duration
+from ft_checkpoint.units import human_bytes, parse_duration
 
 log = logging.getLogger(__name__)
-
-
-def _warn_unused(keys: list[str], what: str, rank: int) -> None:
-    if keys and rank == 0:
-        log.warning("the checkpoint also holds %s keys %s, which the %s passed to resume() does not have: they "
-                    "were not loaded anywhere", what, keys[:10], what)
-
-
-class _SaveEvents:
-    """What the engine reports about a save, turned into journal events, commits and retention."""
-
-    def __init__(self, manager: CheckpointManager) -> None:
-        self.manager = manager
-
-    def on_write_start(self, stats: SaveStats) -> None:
-        self.manager.journal.record("save_started", step=stats.step, stall=stats.stall, background=True)
-
-    def check_writable(self, stats: SaveStats) -> None:
-        self.manager.lease.check_owned()  # a job that lost the directory to another stops writing there
-
-    def on_commit(self, stats: SaveStats) -> None:
-        self.manager._after_commit(stats)
-
-    def on_previous_error(self, error: SaveError) -> None:
-        self.manager._save_failed(error)
-
-
-def _find(policy: Any, kind: type) -> Any:
-    """The first policy of type ``kind`` in ``policy`` (which may be an AnyOf), or None."""
-    if isinstance(policy, kind):
-        return policy
-    for p in getattr(policy, "policies", ()):
-        if (found := _find(p, kind)) is not None:
-            return found
-    return None
 
 
 class CheckpointManager:
@@ -127,72 +88,63 @@ class CheckpointManager:
 
     def __init__(self, dirpath: str | None = None, *, policy: SavePolicy | None = None, announce: bool = True,
                  **config: Any) -> None:
-        self.config = CheckpointConfig.from_env(dirpath=dirpath, **config)
+        self.config = c = CheckpointConfig.from_env(dirpath=dirpath, **config)
         self.announce = announce
         """Print where checkpoints go, the resume and when the first save is due, once, on stderr (rank 0).
         Integrations with a channel of their own (Lightning's rank-zero info) pass False and use
         :meth:`describe_start`."""
-        self._announced = False
-        if self.config.dirpath is None:
+        if c.dirpath is None:
             raise ConfigError("dirpath is required: pass it, set FT_CHECKPOINT_DIRPATH, or put it in the "
                               "YAML file named by FT_CHECKPOINT_CONFIG")
-        self.storage = Storage(self.config.dirpath, self.config.storage_options, retries=self.config.retries)
+        self.storage = Storage(c.dirpath, c.storage_options, retries=c.retries)
         self.groups = Groups.create()
         self.groups.on_rank0(self.storage.ensure_root)
-        c = self.config
         self.policy = policy or policy_from_interval(
             c.interval, world_size=self.groups.world_size, mtbf=c.mtbf, gpu_failure_rate=c.gpu_failure_rate,
             min_interval=c.min_interval, max_interval=c.max_interval)
-        self.adaptive = _find(self.policy, AdaptiveInterval)
-        self.journal = Journal(self.storage, enabled=self.groups.rank == 0,
-                               progress_every=parse_duration(c.progress_interval))
+        self.adaptive = find_policy(self.policy, AdaptiveInterval)
+        self.journal = Journal(self.storage, enabled=self.rank == 0, progress_every=parse_duration(c.progress_interval))
         self.lease = Lease(self.storage, attempt=self.journal.attempt)
         self.groups.on_rank0(lambda: self.lease.acquire(force=c.force_takeover))
         self.engine = CheckpointEngine(self.storage, self.groups, writers=c.writers, writer=c.writer,
                                        priority=c.writer_priority)
+        self.loader = StepLoader(self.storage, self.groups)
         self.slurm = SlurmJob.detect(query=self.rank == 0)
         """The Slurm job this runs in (None outside Slurm); its requeue flag and end time on rank 0 only."""
-        self.watcher = PreemptionWatcher(c.preemption_signals, end_time=self.slurm and self.slurm.end_time,
+        self.watcher = PreemptionWatcher(c.preemption_signals, end_time=self.slurm.end_time if self.slurm else None,
                                          margin=parse_duration(c.end_time_margin))
         self.journal.record("attempt_start", world_size=self.groups.world_size,
-                            progress_interval=parse_duration(c.progress_interval),
-                            preemption_signals=self.watcher.signals)
+                            progress_interval=parse_duration(c.progress_interval), preemption_signals=self.watcher.signals)
         if self.adaptive is not None and self.rank == 0:
-            self._learn_failures()
+            self.adaptive.observe_journal(attempt_summaries(self.storage))
+        self._cost = CostMeter()
+        self._events = SaveEvents(storage=self.storage, config=c, rank=self.rank, journal=self.journal, lease=self.lease,
+                                  watcher=self.watcher, cost=self._cost, adaptive=self.adaptive, phase=self.engine.phase)
+        self._init_run_state()
+        atexit.register(self._close_at_exit)
+
+    def _init_run_state(self) -> None:
         self.preempted = False
         """A preemption was announced (on any rank); set it yourself for a notice of your own: the next
         ``maybe_save`` then makes the final save and exits."""
         self._preempt_reason: str | None = None
         self.last_save: SaveStats | None = None
         self.resumed_from: int | None = None
-        self.failed_saves = 0
-        """Saves that failed (with ``on_save_error="warn"`` training goes on after them)."""
-        self._last_committed: int | None = None
-        self._newest_committed: int | None = self.groups.on_rank0(
-            lambda: max(layout.committed_steps(self.storage), default=None))
-        self._events = _SaveEvents(self)
-        self._wrapped: dict[str, Any] = {}
         self.resumed_rng: dict[str, Any] | None = None
         """The RNG states the last resume found for this rank (see ``resume(restore_rng=False)``)."""
+        self._newest_committed: int | None = self.latest()
+        self._participants = Participants()
         self._last_save_time = time.monotonic()
-        self._cost = CostMeter()
-        self._cleanup = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-checkpoint-retention")
-        atexit.register(self._close_at_exit)
-        self._closed = False
-
-    def _learn_failures(self) -> None:
-        """Feed the adaptive policy this job's failures and exposure from the journal (rank 0)."""
-        summaries = attempt_summaries(self.storage)
-        failures, exposure = count_failures(summaries)
-        cost = next((s["save_cost"] for s in reversed(summaries) if s.get("save_cost") is not None), None)
-        self.adaptive.observe_history(failures, exposure, cost=cost)  # a known cost replaces the guess
-        est = self.adaptive.model.estimate(failures, exposure)
-        log.info("adaptive interval: %d failures in %.3g h of this job so far; MTBF estimate %.3g h (+/-%.0f%%)",
-                 failures, exposure / 3600, est.mtbf / 3600, 100 * est.relative_uncertainty)
+        self._announced = self._closed = False
 
     @property
     def rank(self) -> int:
         return self.groups.rank
+
+    @property
+    def failed_saves(self) -> int:
+        """Saves that failed (with ``on_save_error="warn"`` training goes on after them)."""
+        return self._events.failed
 
     @property
     def preemption_requested(self) -> bool:
@@ -245,7 +197,7 @@ class CheckpointManager:
             return self.watcher.reason
         return "preempted set by the program" if self.preempted else None
 
-    def maybe_save(self, step: int, state: dict[str, Any], *, epoch: int | None = None,
+    def maybe_save(self, step: int, state: Mapping[str, Any], *, epoch: int | None = None,
                    metadata: dict[str, Any] | None = None) -> bool:
         """Save ``state`` as ``step`` if the policy says so; returns whether a save started.
 
@@ -267,23 +219,19 @@ class CheckpointManager:
         ``maybe_save`` calls it after the final save; call it yourself after a ``save`` of your own.
         """
         self.wait()  # a failed final save raises here (on_save_error="raise"); "warn" exits anyway
-        step, reason = self._last_committed, self._preempt_reason or self.watcher.reason or "unknown"
-        requeued = self.rank == 0 and self.slurm is not None and self._should_requeue()
+        step, reason = self._events.last_committed, self._preempt_reason or self.watcher.reason or "unknown"
+        slurm = self.slurm if self.rank == 0 else None
+        requeued = slurm is not None and (self.config.requeue if self.config.requeue is not None else slurm.requeue)
         self.journal.record("preempted", step=step, reason=reason, requeue=requeued)
         if self.rank == 0:
             log.warning("preempted (%s): step %s is committed in %s; exiting%s", reason, step, self.storage.url,
-                        f", Slurm job {self.slurm.job_id} requeued" if requeued else "")
+                        f", Slurm job {slurm.job_id} requeued" if slurm is not None and requeued else "")
         self.close(clean=False)
-        if requeued:
-            requeue(self.slurm.job_id)
+        if slurm is not None and requeued:
+            requeue(slurm.job_id)
         raise Preempted(step, reason, self.config.preemption_exit_code)
 
-    def _should_requeue(self) -> bool:
-        if self.config.requeue is not None:
-            return self.config.requeue
-        return self.slurm.requeue
-
-    def save(self, step: int, state: dict[str, Any], *, epoch: int | None = None,
+    def save(self, step: int, state: Mapping[str, Any], *, epoch: int | None = None,
              metadata: dict[str, Any] | None = None, per_rank: dict[str, Any] | None = None,
              block: bool = False) -> SaveStats:
         """Save now. Returns once the state is staged (or committed, with ``block=True``).
@@ -304,7 +252,7 @@ class CheckpointManager:
         self.journal.progress(step, force=True)
         ranked = {"rng": rng_state() if self.config.save_rng_state else None,
                   "state": to_tree(per_rank) if per_rank is not None else None}
-        plain, participants = self._split_state(state)
+        plain, participants = self._participants.split(state)
         described = describe_participants(participants)
         stats = self.engine.save(step, to_tree(plain), per_rank=ranked, files=lambda: stage_participants(participants),
                                  manifest_fields={"epoch": epoch, "metadata": {**described, **(metadata or {})}},
@@ -321,54 +269,10 @@ class CheckpointManager:
         self._check_step_is_new(step + 1, why=why)
 
     def _check_step_is_new(self, step: int, *, why: str | None = None) -> None:
-        """Refuse a step at or below the newest one committed in the directory: retention would delete the new
-        save right after it commits (it keeps the highest steps), and a crash would resume the old steps."""
-        newest = self._newest_committed
-        if newest is None or step > newest:
-            return
-        newer = self.groups.on_rank0(lambda: [s for s in layout.committed_steps(self.storage) if s >= step])
-        paths = " ".join(self.storage.url_of(layout.step_dir(s)) for s in newer[:3]) + (" ..." if len(newer) > 3 else "")
-        raise StateMismatchError(
-            f"cannot save step {step} in {self.storage.url}: step {newest} is committed there already "
-            f"({why or 'a run pointed at another run directory, a restarted step counter, or a resume that fell back past steps that did not fit the state'}). "
-            "Retention would delete the new steps right after their commit, and a crash would resume the old ones. "
-            f"HINT: give this run its own dirpath, or continue the step count from the resumed step, or, if the newer "
-            f"steps are unwanted, delete them first ({paths})")
+        newest = max((s for s in (self._newest_committed, self._events.last_committed) if s is not None), default=None)
+        if newest is not None and step <= newest:
+            refuse_older_step(self.storage, self.groups, step, newest, why=why)
 
-    def _save_failed(self, error: SaveError) -> None:
-        """A save failed: journal it, then raise (``on_save_error="raise"``, or a state that cannot be saved
-        as given) or warn loudly and go on."""
-        self.failed_saves += 1
-        self.journal.record("save_failed", error=str(error), background=True)
-        if self.config.on_save_error == "raise" or isinstance(error.__cause__, (ConfigError, LeaseError)):
-            raise error
-        log.warning("CHECKPOINT SAVE FAILED (%d so far), training continues; resume would use step %s. %s",
-                    self.failed_saves, self._last_committed, error)
-
-    def _after_commit(self, stats: SaveStats) -> None:
-        """On the writer thread, after a commit: journal, log, retention (rank 0)."""
-        self._last_committed = self._newest_committed = stats.step
-        self.watcher.margin = max(parse_duration(self.config.end_time_margin), 2 * (stats.duration or 0.0))
-        if self.rank != 0:
-            return
-        self.journal.record("commit", step=stats.step, stall=stats.stall, waited=stats.waited,
-                            duration=stats.duration, bytes=stats.bytes, background=True)
-        log.info("committed step %d to %s: %s, stall %.3f s, durable after %.2f s", stats.step,
-                 self.storage.url, human_bytes(stats.bytes or 0), stats.stall, stats.duration or 0.0)
-        submit(self._cleanup, self._retention, stats.step)  # off the save's path: the next save need not wait
-        if self.adaptive is not None:
-            self.adaptive.observe_save(cost=self._cost.cost(stats.stall), durable=stats.duration or 0.0)
-            self.journal.save_cost = self.adaptive.cost
-
-    def _retention(self, step: int) -> None:
-        """Rank 0, on its own thread after each commit: delete what the retention rules say."""
-        self.engine.phase("retention", step)
-        try:  # the step is committed: a failed clean-up must not make the save look failed
-            self.lease.check_owned()  # never delete in a directory another job took over
-            apply_retention(self.storage, keep_last=self.config.keep_last,
-                            keep_every_n_steps=self.config.keep_every_n_steps, protect=step)
-        except (StorageError, LeaseError) as e:
-            log.warning("retention after step %d failed (will retry after the next commit): %s", step, e)
 
     def metrics(self) -> dict[str, float]:
         """Numbers worth logging: the last save's stall, time to durable and bytes; the interval."""
@@ -379,14 +283,7 @@ class CheckpointManager:
             if last.committed:
                 out.update(durable_s=last.duration or 0.0, bytes=float(last.bytes or 0))
         out["failed_saves"] = float(self.failed_saves)
-        if self.adaptive is not None:
-            out.update(self.adaptive.last_decision)
-        else:
-            fixed = _find(self.policy, EveryInterval) or _find(self.policy, EveryNSteps)
-            if isinstance(fixed, EveryInterval):
-                out["interval_s"] = fixed.seconds
-            elif fixed is not None:
-                out["interval_steps"] = float(fixed.n)
+        out.update(policy_metrics(self.policy))
         return out
 
     def describe_start(self) -> str:
@@ -401,22 +298,7 @@ class CheckpointManager:
         where = f"checkpoints go to {self.storage.url}"
         if self.resumed_from is not None:
             where = f"resuming from step {self.resumed_from} of {self.storage.url}"
-        return f"{where}, {self._describe_interval()}"
-
-    def _describe_interval(self) -> str:
-        fixed = _find(self.policy, EveryNSteps) or _find(self.policy, EveryInterval)
-        if self.adaptive is not None:
-            d = self.adaptive.last_decision
-            due = d["interval_s"]
-            return (f"adaptive interval: the first save comes about {human_seconds(due)} in (save cost "
-                    f"{'guessed' if self.adaptive.cost is None else 'measured'} {d['cost_s']:.3g} s, MTBF "
-                    f"{human_seconds(d['mtbf_s'])}); a shorter run saves only on a preemption notice. HINT: set "
-                    "interval= (steps or a duration) to choose")
-        if isinstance(fixed, EveryNSteps):
-            return f"a save every {fixed.n} steps"
-        if isinstance(fixed, EveryInterval):
-            return f"a save every {human_seconds(fixed.seconds)}"
-        return f"saves when {self.policy!r} says so"
+        return f"{where}, {describe_policy(self.policy)}"
 
     def _announce_start(self, detail: str | None = None) -> None:
         if self._announced:
@@ -442,67 +324,29 @@ class CheckpointManager:
         t0 = time.perf_counter()
         self.engine.phase("resuming", -1)
         found = resume_newest(
-            self.storage, self.groups, open_step=self.engine.open_step,
+            self.storage, self.groups, open_step=self.loader.open_step,
             check=lambda step: check_for_resume(self.storage, step, rank=self.rank, world_size=self.groups.world_size),
-            load=lambda opened: self._load(opened, state, per_rank, check), touches=lambda opened: opened.touches)
+            load=lambda opened: load_state(self.loader, opened, state, participants=self._participants,
+                                           per_rank=per_rank, check=check),
+            touches=lambda opened: opened.touches)
+        self._newest_committed = self.latest()
         if found is None:
-            self._newest_committed = self.groups.on_rank0(lambda: max(layout.committed_steps(self.storage), default=None))
             if self.rank == 0:
                 log.info("no committed checkpoint in %s: starting fresh", self.storage.url)
             self._announce_start()
             return None
         manifest, ranked = found
-        self._newest_committed = self.groups.on_rank0(lambda: max(layout.committed_steps(self.storage), default=None))
         self.resumed_rng = ranked.get("rng") if self.config.save_rng_state else None
         if restore_rng and self.resumed_rng is not None:
             set_rng_state(self.resumed_rng)
         seconds = time.perf_counter() - t0
-        self.resumed_from = self._last_committed = manifest.step
+        self.resumed_from = self._events.last_committed = manifest.step
         self.journal.record("resume", step=manifest.step, seconds=seconds, bytes=manifest.total_bytes)
         if self.rank == 0:
             log.info("resuming from step %d (%s): %s verified and loaded in %.1f s", manifest.step,
                      self.storage.url_of(layout.step_dir(manifest.step)), human_bytes(manifest.total_bytes), seconds)
         self._announce_start(f"{human_bytes(manifest.total_bytes)} verified and loaded in {seconds:.1f} s")
         return manifest.step
-
-    def _load(self, opened: OpenedStep, state: dict[str, Any], per_rank: dict[str, Any] | None,
-              check: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
-        """Load one opened step into ``state`` (and ``per_rank``); returns what the rank file held per rank."""
-        plain, participants = self._split_state(state)
-        tree, ranked = self.engine.load(opened, to_tree(plain))
-        if check is not None:
-            check(tree)
-        ranked = {"rng": ranked.get("rng"), "state": ranked.get("state")}  # 0.1's rank files hold only "rng"
-        if per_rank is not None:
-            if ranked.get("state") is None:
-                raise StateMismatchError("the checkpoint has no per-rank state, but per_rank= was passed. "
-                                         "HINT: pass the same per_rank keys to resume() as to save()")
-            _warn_unused(load_tree_into(per_rank, ranked["state"]), "per_rank", self.rank)
-        _warn_unused(load_tree_into(plain, tree), "state", self.rank)
-        state.update(plain)  # values replaced (not loaded in place) go back into the caller's dict
-        manifest = opened.manifest
-        for key, participant in participants.items():
-            opened.touches = True  # from here on a failure may leave the participant half loaded
-            participant.load_files(StepFiles(
-                read=lambda name: self.engine.read_file(manifest, name), names=frozenset(manifest.files),
-                metadata=manifest.metadata.get(key), step=manifest.step, world_size=manifest.world_size))
-        return ranked
-
-    def _split_state(self, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """``(the rest of state, its files participants)``. A DeepSpeed engine is one: it is wrapped in a
-        :class:`~ft_checkpoint.deepspeed.DeepSpeedState`, the same one at every save of this manager (it keeps
-        its staging buffers); with several engines in the state, each one's files are prefixed by its key."""
-        plain, participants = split_participants(state)
-        engines = [k for k, v in plain.items() if is_deepspeed_engine(v)]
-        for key in engines:
-            engine = plain.pop(key)
-            wrapped = self._wrapped.get(key)
-            if wrapped is None or wrapped.engine is not engine:
-                from ft_checkpoint.deepspeed import DeepSpeedState  # DeepSpeed is an optional extra
-
-                wrapped = self._wrapped[key] = DeepSpeedState(engine, prefix="" if len(engines) == 1 else f"{key}.")
-            participants[key] = wrapped
-        return plain, participants
 
     def latest(self) -> int | None:
         """The newest step whose manifest parses (its data not verified; ``resume`` verifies)."""
@@ -515,11 +359,11 @@ class CheckpointManager:
         try:
             return self.engine.wait()
         except SaveError as e:
-            self._save_failed(e)
+            self._events.save_failed(e)
             return None
         finally:
             if retention:
-                submit(self._cleanup, lambda: None).result()
+                self._events.wait_for_retention()
 
     def close(self, *, clean: bool = True) -> None:
         """Drain the save in flight, then release the writer. ``clean`` records a clean end in the journal."""
@@ -532,7 +376,7 @@ class CheckpointManager:
         finally:
             self.watcher.close()
             self.engine.close()
-            self._cleanup.shutdown(wait=True)
+            self._events.close()
             self.journal.close()
             if self.rank == 0:
                 self.lease.release()

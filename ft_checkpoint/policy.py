@@ -17,10 +17,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-import math
-import threading
-import time
-from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from ft_checkpoint.units import parse_duration
@@ -138,3 +134,61 @@ def policy_from_interval(interval: int | datetime.timedelta | str, **adaptive: A
 
         return AdaptiveInterval(**adaptive) | OnPreemption()
     return EveryInterval(interval) | OnPreemption()
+
+
+def find_policy(policy: Any, kind: type) -> Any:
+    """The first policy of type ``kind`` in ``policy`` (which may be an :class:`AnyOf`), or None.
+
+    Example:
+        >>> find_policy(EveryNSteps(5) | OnPreemption(), EveryNSteps)
+        EveryNSteps(5)
+    """
+    if isinstance(policy, kind):
+        return policy
+    for p in getattr(policy, "policies", ()):
+        if (found := find_policy(p, kind)) is not None:
+            return found
+    return None
+
+
+def describe_policy(policy: SavePolicy) -> str:
+    """When saves come, in words, for the line a run prints at its start.
+
+    Example:
+        >>> describe_policy(policy_from_interval("30m"))
+        'a save every 30 min'
+    """
+    from ft_checkpoint.adaptive.policy import AdaptiveInterval
+    from ft_checkpoint.units import human_seconds
+
+    adaptive = find_policy(policy, AdaptiveInterval)
+    if adaptive is not None:
+        d = adaptive.last_decision
+        return (f"adaptive interval: the first save comes about {human_seconds(d['interval_s'])} in (save cost "
+                f"{'guessed' if adaptive.cost is None else 'measured'} {d['cost_s']:.3g} s, MTBF "
+                f"{human_seconds(d['mtbf_s'])}); a shorter run saves only on a preemption notice. HINT: set "
+                "interval= (steps or a duration) to choose")
+    fixed = find_policy(policy, EveryNSteps) or find_policy(policy, EveryInterval)
+    if isinstance(fixed, EveryNSteps):
+        return f"a save every {fixed.n} steps"
+    if isinstance(fixed, EveryInterval):
+        return f"a save every {human_seconds(fixed.seconds)}"
+    return f"saves when {policy!r} says so"
+
+
+def policy_metrics(policy: SavePolicy) -> dict[str, float]:
+    """The interval figures worth logging: the adaptive policy's last decision, or the fixed interval.
+
+    Example:
+        >>> policy_metrics(policy_from_interval(100))
+        {'interval_steps': 100.0}
+    """
+    from ft_checkpoint.adaptive.policy import AdaptiveInterval
+
+    adaptive = find_policy(policy, AdaptiveInterval)
+    if adaptive is not None:
+        return dict(adaptive.last_decision)
+    fixed = find_policy(policy, EveryInterval) or find_policy(policy, EveryNSteps)
+    if isinstance(fixed, EveryInterval):
+        return {"interval_s": fixed.seconds}
+    return {"interval_steps": float(fixed.n)} if fixed is not None else {}

@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # torch.distributed: kept out so that the CLI can read and ve
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-O = TypeVar("O")
+Opened = TypeVar("Opened")
 
 
 def check_for_resume(storage: Storage, step: int, *, rank: int = 0, world_size: int = 1) -> layout.Manifest:
@@ -62,8 +62,8 @@ def check_for_resume(storage: Storage, step: int, *, rank: int = 0, world_size: 
 
 
 def resume_newest(storage: Storage, groups: Groups, *, check: Callable[[int], layout.Manifest],
-                  open_step: Callable[[layout.Manifest], O], load: Callable[[O], T],
-                  touches: Callable[[O], bool] = lambda opened: True) -> tuple[layout.Manifest, T] | None:
+                  open_step: Callable[[layout.Manifest], Opened], load: Callable[[Opened], T],
+                  touches: Callable[[Opened], bool] = lambda opened: True) -> tuple[layout.Manifest, T] | None:
     """``(manifest, what load returned)`` for the newest step that passes ``check``, ``open_step`` and ``load``
     on every rank, or None when no step was ever committed (or every one is corrupt and nothing was
     loaded). ``load`` is collective; the three may raise CheckpointCorruptError or StateMismatchError
@@ -73,13 +73,13 @@ def resume_newest(storage: Storage, groups: Groups, *, check: Callable[[int], la
     skipped: list[int] = []
     unfit: list[str] = []
     touched: int | None = None
-    for step in candidates:
-        manifest, reasons = _phase(groups, step, lambda: check(step))
-        opened = None
+    for step in candidates:  # each lambda runs at once, inside _phase (ruff's B023 does not apply)
+        manifest, reasons = _phase(groups, step, lambda: check(step))  # noqa: B023
+        opened: Any = None
         if not reasons:
-            opened, reasons = _phase(groups, step, lambda: open_step(manifest))
+            opened, reasons = _phase(groups, step, lambda: open_step(manifest))  # noqa: B023
         if not reasons:
-            result, reasons = _phase(groups, step, lambda: load(opened))
+            result, reasons = _phase(groups, step, lambda: load(opened))  # noqa: B023
             if not reasons:
                 groups.on_rank0(lambda: layout.quarantine(storage, skipped))
                 return manifest, result
@@ -128,3 +128,20 @@ def _warn_skipped(storage: Storage, groups: Groups, step: int, reasons: list[str
     if groups.rank == 0:
         log.warning("skipping step %d (%s): %s; trying the previous one",
                     step, storage.url_of(layout.step_dir(step)), "; ".join(reasons))
+
+
+def refuse_older_step(storage: Storage, groups: Groups, step: int, newest: int, *, why: str | None = None) -> None:
+    """Raise StateMismatchError for a save of ``step`` in a directory where ``newest >= step`` is committed.
+
+    Such a save is refused rather than written: retention keeps the highest steps, so it would delete the
+    new save right after its commit, and a crash would resume the old steps.
+    """
+    newer = groups.on_rank0(lambda: [s for s in layout.committed_steps(storage) if s >= step])
+    paths = " ".join(storage.url_of(layout.step_dir(s)) for s in newer[:3]) + (" ..." if len(newer) > 3 else "")
+    why = why or ("a run pointed at another run directory, a restarted step counter, or a resume that fell back "
+                  "past steps that did not fit the state")
+    raise StateMismatchError(
+        f"cannot save step {step} in {storage.url}: step {newest} is committed there already ({why}). "
+        "Retention would delete the new steps right after their commit, and a crash would resume the old ones. "
+        f"HINT: give this run its own dirpath, or continue the step count from the resumed step, or, if the newer "
+        f"steps are unwanted, delete them first ({paths})")

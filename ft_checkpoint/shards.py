@@ -38,7 +38,7 @@ import os
 import threading
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -48,7 +48,15 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -184,10 +192,10 @@ class ShardWriter(StorageWriter):
         bins = _bins(plan.items, self.writers)
         jobs = [(f"__{self.rank}_{i}.distcp", items, self.sinks[i % len(self.sinks)]) for i, items in enumerate(bins)]
         if len(jobs) <= 1:
-            results = [self._write_file(*job, planner) for job in jobs]
+            results = [self._write_file(name, items, sink, planner) for name, items, sink in jobs]
         else:
             with ThreadPoolExecutor(len(jobs), thread_name_prefix="ft-checkpoint-shard") as pool:
-                results = list(pool.map(lambda job: self._write_file(*job, planner), jobs))
+                results = list(pool.map(lambda job: self._write_file(job[0], job[1], job[2], planner), jobs))
         if self.storage.is_local and jobs:
             jobs[0][2].sync_dir(self.rel)  # the files' directory entries are durable before the manifest
         future: Future[list[WriteResult]] = Future()
@@ -195,7 +203,7 @@ class ShardWriter(StorageWriter):
         return future
 
     def _write_file(self, name: str, items: list[Any], sink: Sink, planner: SavePlanner) -> list[WriteResult]:
-        tensors = [planner.resolve_data(item) for item in items]
+        tensors = [cast(torch.Tensor, planner.resolve_data(item)) for item in items]  # tensors only (checked)
         # On local disk, tensors staged in the arena are written as whole page-aligned slots, with O_DIRECT:
         # no copy into the page cache. The zero padding between them is part of the file and of its CRC.
         slots = self.storage.is_local and self.arena is not None and all(self.arena.contains(t) for t in tensors)
@@ -347,7 +355,7 @@ class ShardReader(StorageReader):
 
     def _read_item(self, f: Any, rel: str, item: ReadItem, planner: LoadPlanner) -> None:
         chunk = self._chunk(item)
-        md = self.metadata.state_dict_metadata[item.storage_index.fqn]
+        md = cast(TensorStorageMetadata, self.metadata.state_dict_metadata[item.storage_index.fqn])  # checked
         stored = self._stored[item.storage_index]
         target = planner.resolve_tensor(item).detach()
         whole = list(item.lengths) == list(stored) and not any(item.storage_offsets)

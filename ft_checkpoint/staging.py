@@ -6,8 +6,8 @@ layout allocates a new arena). Slots start on page boundaries and are padded wit
 so a writer can hand them to the disk with ``O_DIRECT`` (no copy into the page cache). For CUDA
 tensors the arena is pinned and the copies are non-blocking, with one synchronization at the end. With
 ``shared=True`` the arena is an anonymous shared-memory file (``memfd``), so a writer process can map
-it and write the bytes without another copy (see ``writer_process``). A DTensor's local shard is staged and wrapped back into a DTensor with the same
-mesh and placements, so DCP plans its chunks as usual.
+it and write the bytes without another copy (see ``writer_process``). A DTensor's local shard is
+staged and wrapped back into a DTensor with the same mesh and placements, so DCP plans its chunks as usual.
 
 Example:
     >>> import torch
@@ -26,9 +26,10 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Mapping
-from typing import Any
 
 import torch
+
+from ft_checkpoint._dcp_internals import dtensor_like
 
 ALIGN = 4096
 """Every slot starts on, and is padded to, a page boundary: what ``O_DIRECT`` needs (``storage.DIRECT_ALIGN``)."""
@@ -87,7 +88,7 @@ def _register_pinned(t: torch.Tensor) -> None:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if _is_dtensor(t) else t
+    return t.to_local() if _is_dtensor(t) else t  # type: ignore[attr-defined]  # a DTensor
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -124,7 +125,7 @@ class Stager:
             buf.copy_(local, non_blocking=local.is_cuda and self.pin)
             if local.is_cuda:
                 devices.add(local.device)
-            out[key] = _rewrap(t, buf) if _is_dtensor(t) else buf
+            out[key] = dtensor_like(t, buf) if _is_dtensor(t) else buf
         for device in devices:
             torch.cuda.synchronize(device)
         return out
@@ -143,13 +144,3 @@ class Stager:
         if self.arena is not None:
             self.arena.close()
         self.arena, self._layout, self._offsets = None, [], {}
-
-
-def _rewrap(t: Any, local: torch.Tensor) -> torch.Tensor:
-    """``local`` (a host copy of ``t``'s shard) as a DTensor with ``t``'s spec: mesh, placements, global shape.
-
-    Not ``DTensor.from_local``, which moves the local tensor back to the mesh's device (a GPU).
-    """
-    from torch.distributed.tensor import DTensor
-
-    return DTensor(local, t._spec, requires_grad=False)

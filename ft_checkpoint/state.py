@@ -98,6 +98,35 @@ def split_participants(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[s
     return {k: v for k, v in state.items() if k not in parts}, parts
 
 
+class Participants:
+    """Splits a state into its plain part and its files participants, wrapping each DeepSpeed engine in a
+    :class:`~ft_checkpoint.deepspeed.DeepSpeedState`, the same wrapper at every save (it keeps its staging
+    buffers); with several engines in one state, each one's files are prefixed by its key.
+
+    Example:
+        >>> plain, parts = Participants().split({"model": torch.nn.Linear(1, 1), "step": 3})
+        >>> sorted(plain), parts
+        (['model', 'step'], {})
+    """
+
+    def __init__(self) -> None:
+        self._wrapped: dict[str, Any] = {}
+
+    def split(self, state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(the rest of state, its files participants)``, by key."""
+        plain, participants = split_participants(state)
+        engines = [k for k, v in plain.items() if is_deepspeed_engine(v)]
+        for key in engines:
+            engine = plain.pop(key)
+            wrapped = self._wrapped.get(key)
+            if wrapped is None or wrapped.engine is not engine:
+                from ft_checkpoint.deepspeed import DeepSpeedState  # DeepSpeed is an optional extra
+
+                wrapped = self._wrapped[key] = DeepSpeedState(engine, prefix="" if len(engines) == 1 else f"{key}.")
+            participants[key] = wrapped
+        return plain, participants
+
+
 def describe_participants(parts: Mapping[str, Any]) -> dict[str, Any]:
     """What each participant says of itself for the manifest's metadata (``describe()``, if it has one), by key."""
     return {key: part.describe() for key, part in parts.items() if callable(getattr(part, "describe", None))}
@@ -198,7 +227,7 @@ def rng_state() -> dict[str, Any]:
     except ImportError:
         return out
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    out["numpy"] = (name, keys.tolist(), int(pos), int(has_gauss), float(cached))
+    out["numpy"] = (name, keys.tolist(), int(pos), int(has_gauss), float(cached))  # type: ignore[attr-defined]
     return out
 
 

@@ -238,7 +238,7 @@ class Storage:
             wait=tenacity.wait_random_exponential(multiplier=self.backoff, max=10),
             before_sleep=lambda rs: log.warning(
                 "%s %s failed (%s), retrying (attempt %d of %d)", what, where,
-                rs.outcome.exception(), rs.attempt_number, self.retries),
+                rs.outcome.exception() if rs.outcome else None, rs.attempt_number, self.retries),
             reraise=True,
         )
         return retrying(fn, *args, **kwargs)

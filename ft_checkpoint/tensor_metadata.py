@@ -34,6 +34,7 @@ from typing import Any
 
 from ft_checkpoint import checksum
 from ft_checkpoint.errors import CheckpointCorruptError
+from ft_checkpoint.jsonfile import is_int
 
 NAME = "metadata.json"
 FORMAT = "ft-checkpoint-tensors"
@@ -97,17 +98,12 @@ def parse(data: bytes, files: dict[str, int]) -> dict[str, TensorEntry]:
             or doc["version"] != 1 or not isinstance(doc["tensors"], dict):
         raise CheckpointCorruptError(f"{NAME}: not ft-checkpoint tensor metadata (version 1)")
     tensors = {fqn: _tensor(fqn, entry, files) for fqn, entry in doc["tensors"].items()}
-    check_ranges((c for t in tensors.values() for c in t.chunks))
+    check_ranges(c for t in tensors.values() for c in t.chunks)
     return tensors
 
 
 def _refuse(name: str) -> Any:
     raise ValueError(f"{name} is not allowed")
-
-
-def is_int(v: Any) -> bool:
-    """An int that is not a bool."""
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def int_list(v: Any, n: int | None = None) -> bool:

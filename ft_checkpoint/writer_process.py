@@ -14,6 +14,7 @@ and answers are length-prefixed pickles on the child's stdin and stdout (both en
 
 Example:
     >>> import mmap, os
+    >>> from ft_checkpoint.checksum import crc32c_of
     >>> from ft_checkpoint.storage import Storage
     >>> fd = os.memfd_create("doc"); os.ftruncate(fd, 8); m = mmap.mmap(fd, 8); m[:] = b"abcdefgh"
     >>> w = WriterProcess(Storage("memory://doc/writer"), fd, 8)   # memory:// is per process: nothing visible here
@@ -34,7 +35,6 @@ import sys
 import threading
 from typing import IO, Any
 
-from ft_checkpoint.checksum import crc32c_of
 from ft_checkpoint.errors import SaveError, StorageError
 from ft_checkpoint.storage import DIRECT_ALIGN, Storage, is_transient
 

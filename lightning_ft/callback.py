@@ -21,26 +21,23 @@ Example:
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import datetime
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy, Strategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ft_checkpoint import CheckpointConfig, CheckpointManager, ConfigError, FTCheckpointError, SavePolicy, SaveStats
 from ft_checkpoint.errors import Preempted
-from ft_checkpoint.state import rng_state, set_rng_state
+from ft_checkpoint.state import set_rng_state
 from lightning_ft import _lightning_internals as internals
+from lightning_ft import _messages as messages
 from lightning_ft._data import EpochStart
+from lightning_ft._on_exception import SafePoints, run_within
 from lightning_ft._state import from_core, rank0_buffers, to_core
 
 if TYPE_CHECKING:
@@ -48,8 +45,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-AGREE_TIMEOUT = 30.0
-"""Seconds ranks wait for each other to agree on a save after an exception (``save_on_exception``, DDP)."""
 PREFIX = "ft_checkpoint/"
 """Prefix of the metrics logged through the trainer's loggers (the same as accelerate_ft's)."""
 DEFAULT_SUBDIR = "ft_checkpoints"
@@ -97,16 +92,6 @@ class _Lazy(Mapping[str, Any]):
 
     def __len__(self) -> int:
         return len(self._get())
-
-
-@dataclasses.dataclass
-class _SafePoint:
-    """The end of the last batch a resume could start after (kept only with ``save_on_exception``)."""
-
-    step: int
-    loops: dict[str, Any]
-    rng: dict[str, Any]
-    epoch_start: EpochStart | None
 
 
 class FaultTolerantCheckpoint(Checkpoint):
@@ -175,6 +160,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         self.resumed_from: int | None = None
         """The step the last fit resumed from, or None."""
         self._deepspeed: Any = None
+        self._safe = SafePoints(drain_timeout)
         self._reset()
 
     @property
@@ -189,11 +175,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         self._pending = False
         self._undo_warning: Any = None
         self._unreported: list[SaveStats] = []
-        self._safe_point: _SafePoint | None = None
-        self._stepped_since_safe = False
-        self._hooks: list[Any] = []
         self._active = False
-        self._exception_group: Any = None
 
     # -- lifecycle -----------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -206,39 +188,36 @@ class FaultTolerantCheckpoint(Checkpoint):
         self.saves, self.stalls = [], []
         # Run last: RNG drawn by other callbacks in a batch is then part of the saved state, and
         # trainer.checkpoint_callback stays the user's ModelCheckpoint if there is one.
-        trainer.callbacks = [cb for cb in trainer.callbacks if cb is not self] + [self]
+        trainer.callbacks = [cb for cb in trainer.callbacks if cb is not self] + [self]  # type: ignore[attr-defined]
         dirpath, default = self._resolve_dirpath(trainer)
         self.manager = CheckpointManager(dirpath, policy=self.policy, announce=False, **self.config)
         rank_zero_info(f"FaultTolerantCheckpoint: checkpoints go to {self.manager.storage.url}"
                        + (f" (no dirpath given: <default_root_dir>/{DEFAULT_SUBDIR})" if default else ""))
         self._active = True
         self._started = time.monotonic()
-        if self.save_on_exception and trainer.world_size > 1 and dist.is_initialized():
-            # lets the ranks agree after an exception, with a deadline (a gloo group honours its timeout)
-            timeout = datetime.timedelta(seconds=min(self.drain_timeout, AGREE_TIMEOUT))
-            self._exception_group = dist.new_group(backend="gloo", timeout=timeout)
+        if self.save_on_exception:
+            self._safe.setup(trainer)
         internals.intercept_resume(trainer, lambda ckpt_path: self._load(trainer, ckpt_path))
         internals.before_first_iterator(trainer, lambda: self._capture_epoch_start(trainer))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.save_on_exception:  # DeepSpeed's ZeRO optimizers have no step hooks: see on_before_optimizer_step
-            self._hooks = [opt.register_step_pre_hook(self._on_optimizer_step) for opt in trainer.optimizers
-                           if hasattr(opt, "register_step_pre_hook")]
+            self._safe.watch_optimizers(trainer.optimizers)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self.save_on_exception and not hasattr(optimizer, "register_step_pre_hook"):
-            self._on_optimizer_step()
+            self._safe.optimizer_step()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self.manager is not None
         self._last_step = trainer.global_step
         resume, self._resume = self._resume, None
         if resume is not None:
             self._continue_epoch(trainer, resume)
         elif trainer.ckpt_path:
-            assert self.manager is not None
             self.manager.check_continues_from(trainer.global_step, why=f"fit(ckpt_path={str(trainer.ckpt_path)!r}) "
                                               f"continues from step {trainer.global_step}")
-        self._announce_start(trainer, resumed=resume is not None)
+        messages.announce_start(trainer, self.manager, resumed=resume is not None, resumed_from=self.resumed_from)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.current_epoch > 0:  # this epoch's iterator is created right after this hook
@@ -256,6 +235,7 @@ class FaultTolerantCheckpoint(Checkpoint):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        assert self.manager is not None
         self._report_commits(trainer)
         step = trainer.global_step
         if step == self._last_step:  # accumulating gradients: not a step boundary
@@ -263,7 +243,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         self._last_step = step
         resumable = self._resumable(trainer)
         if self.save_on_exception:
-            self._remember_safe_point(trainer, step if resumable else None)
+            self._safe.remember(trainer, step if resumable else None, self._epoch_start)
         if resumable and self._pending:  # a save asked for at an earlier batch, where a resume could not start
             self._pending = False
             self.manager.note_step(step)
@@ -279,7 +259,9 @@ class FaultTolerantCheckpoint(Checkpoint):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._active and not self.saves:
-            self._announce_no_save(trainer)
+            assert self.manager is not None
+            messages.announce_no_save(trainer, self.manager, seconds=time.monotonic() - self._started,
+                                      resumed_from=self.resumed_from)
         self._close(trainer)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -293,13 +275,13 @@ class FaultTolerantCheckpoint(Checkpoint):
         Other ranks may never reach this hook, so nothing here may wait for them without a deadline.
         """
         internals.release_resume(trainer)
-        self._remove_hooks()
+        self._safe.remove_hooks()
         if not self._active or isinstance(exception, Preempted):  # after the final save of a preemption
             self._active = False
             return
         self._active = False
         save = self.save_on_exception and not isinstance(exception, FTCheckpointError)
-        self._run_within(self.drain_timeout, lambda: self._drain_after(trainer, exception, save))
+        run_within(self.drain_timeout, lambda: self._drain_after(trainer, exception, save))
 
     # -- resuming ------------------------------------------------------------------------------
     def _resolve_dirpath(self, trainer: pl.Trainer) -> tuple[str, bool]:
@@ -323,12 +305,12 @@ class FaultTolerantCheckpoint(Checkpoint):
                          str(ckpt_path), self.manager.storage.url)
             return None
         state: dict[str, Any] = {"lightning": {}, "loader": {}, **self._engine_state(trainer)}
-        step = self.manager.resume(state)
+        step = self.manager.resume(state, restore_rng=False)  # applied once the data is back in place
         if step is None:
             return None
         self.resumed_from = step
         loader = from_core(state["loader"])
-        self._resume = {"rng": rng_state() if self.manager.config.save_rng_state else None,
+        self._resume = {"rng": self.manager.resumed_rng,
                         "epoch_start": EpochStart.from_state(loader), "world_size": loader.get("world_size")}
         return from_core(state["lightning"])
 
@@ -337,7 +319,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         start: EpochStart | None = resume["epoch_start"]
         self._epoch_start = start
         skip = internals.batches_done_in_epoch(trainer)
-        self._check_world_size(trainer, resume["world_size"], skip)
+        messages.warn_world_size(trainer, resume["world_size"], skip)
         if 0 < skip < trainer.num_training_batches and not internals.loaders_restore_themselves(trainer):
             loaders = internals.train_loaders(trainer)
             if start is not None and internals.replay_epoch(trainer, lambda: start.restore(loaders), skip):
@@ -348,58 +330,6 @@ class FaultTolerantCheckpoint(Checkpoint):
                             "a map-style dataset, or a loader with state_dict()/load_state_dict()", skip)
         if resume["rng"] is not None:
             set_rng_state(resume["rng"])
-
-    @staticmethod
-    def _check_world_size(trainer: pl.Trainer, saved: int | None, skip: int) -> None:
-        """Warn when the checkpoint was saved by another number of ranks: the data position is not exact."""
-        if saved is None or saved == trainer.world_size:
-            return
-        rank_zero_warn(
-            f"FaultTolerantCheckpoint: resuming from step {trainer.global_step}, saved by {_ranks(saved)}, on "
-            f"{_ranks(trainer.world_size)}. Exact: the model, optimizer and LR scheduler states, the step and epoch "
-            f"counters, callback and datamodule state. Not exact: the data of epoch {trainer.current_epoch}: it "
-            f"continues after batch {skip} of the {trainer.num_training_batches} each rank now gets per epoch, so "
-            f"some of this epoch's samples are trained on twice and others not at all; later epochs are complete "
-            f"but split and ordered differently than on {_ranks(saved)}; rank r continues with the RNG states "
-            f"saved by rank r mod {saved}; the global batch size changes with the rank count. HINT: restart on "
-            f"{_ranks(saved)} to resume exactly")
-
-    def _announce_start(self, trainer: pl.Trainer, *, resumed: bool) -> None:
-        """Say, where Lightning's own messages go, where training resumes and when the next save is due."""
-        assert self.manager is not None
-        if resumed:
-            where = (f"resuming from step {trainer.global_step} (epoch {trainer.current_epoch}, "
-                     f"{internals.batches_done_in_epoch(trainer)} batches of it done)")
-        elif self.resumed_from is None and trainer.ckpt_path is None:
-            where = f"no checkpoint in {self.manager.storage.url} yet: starting fresh"
-        else:
-            where = f"training starts at step {trainer.global_step}"
-        rank_zero_info(f"FaultTolerantCheckpoint: {where}; {self._next_save(trainer.global_step, first=not resumed)}")
-
-    def _next_save(self, step: int, *, first: bool) -> str:
-        """When the policy saves next, in words (for the adaptive interval: as planned now)."""
-        assert self.manager is not None
-        which, metrics = "first save" if first else "next save", self.manager.metrics()
-        if "interval_steps" in metrics:
-            n = int(metrics["interval_steps"])
-            return f"{which} at step {(step // n + 1) * n} (every {n} steps)"
-        if self.manager.adaptive is not None:
-            guess = " (a guess until a save measures it)" if self.manager.adaptive.cost is None else ""
-            return (f"{which} due in about {_duration(metrics['interval_s'])} (adaptive interval, planned for a save "
-                    f"cost of {_duration(metrics['cost_s'])}{guess} and an MTBF of {_duration(metrics['mtbf_s'])}; a "
-                    f"run that ends sooner saves nothing: pass interval=<steps> or a duration such as '10m' for "
-                    f"short runs)")
-        if "interval_s" in metrics:
-            return f"{which} due in {_duration(metrics['interval_s'])} (every {_duration(metrics['interval_s'])})"
-        return f"saves when {self.manager.policy!r} says so"
-
-    def _announce_no_save(self, trainer: pl.Trainer) -> None:
-        assert self.manager is not None
-        newest = f"the newest checkpoint is still step {self.resumed_from}" if self.resumed_from is not None else \
-            f"there is no checkpoint in {self.manager.storage.url}"
-        rank_zero_info(f"FaultTolerantCheckpoint: this fit saved no checkpoint in its "
-                       f"{_duration(time.monotonic() - self._started)} ({newest}); "
-                       f"{self._next_save(trainer.global_step, first=False)}")
 
     # -- saving --------------------------------------------------------------------------------
     @staticmethod
@@ -472,7 +402,7 @@ class FaultTolerantCheckpoint(Checkpoint):
 
     def _close(self, trainer: pl.Trainer) -> None:
         """Drain the save in flight (its error, if any, is raised here) and release the writer."""
-        self._remove_hooks()
+        self._safe.remove_hooks()
         if self._active:
             self._active = False
             assert self.manager is not None
@@ -487,7 +417,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         except Exception:
             log.exception("save_on_exception: the save failed; the last committed checkpoint is intact")
         try:
-            if self.manager.watcher.requested:  # Lightning's SIGTERM exit came before a step boundary of ours
+            if self.manager.preemption_requested:  # Lightning's SIGTERM exit came before a step boundary of ours
                 self.manager.stop_for_preemption()
             self.manager.close(clean=False)
         except Preempted:
@@ -495,72 +425,15 @@ class FaultTolerantCheckpoint(Checkpoint):
         except Exception:
             log.exception("the save in flight failed; the last committed checkpoint is intact")
 
-    @staticmethod
-    def _run_within(timeout: float, fn: Any) -> None:
-        """Run ``fn`` on a helper thread; stop waiting for it after ``timeout`` s (a peer rank may be gone)."""
-        worker = threading.Thread(target=fn, name="lightning-ft-drain", daemon=True)
-        worker.start()
-        worker.join(timeout)
-        if worker.is_alive():
-            log.warning("the checkpoint save in flight did not commit within %.0f s after the exception; giving "
-                        "up on it. The last committed checkpoint is intact", timeout)
-
     # -- save on exception ---------------------------------------------------------------------
-    def _on_optimizer_step(self, *_: Any) -> None:
-        self._stepped_since_safe = True
-
-    def _remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-
-    def _remember_safe_point(self, trainer: pl.Trainer, step: int | None) -> None:
-        self._stepped_since_safe = False
-        self._safe_point = None if step is None else _SafePoint(
-            step=step, loops=copy.deepcopy(internals.loops_state(trainer)), rng=rng_state(),
-            epoch_start=self._epoch_start)
-
     def _save_safe_point(self, trainer: pl.Trainer, exception: BaseException) -> None:
-        safe, why = self._safe_point, type(exception).__name__
-        step = self._agree(safe.step if safe is not None and not self._stepped_since_safe else None)
-        if step is None or safe is None:
-            log.warning("save_on_exception: not saving after the %s: it came inside an optimizer step, at a batch a "
-                        "resume cannot start after, or not on every rank at the same step; the last committed "
-                        "checkpoint stays the newest", why)
+        safe = self._safe.agreed(exception)
+        if safe is None:
             return
+        step = safe.step
         if any(s.step == step for s in self.saves):
             return  # saved already
         set_rng_state(safe.rng)  # the manager saves the RNG as of the call
         self._save(trainer, step, lambda: self._snapshot(trainer, safe.epoch_start, loops=safe.loops))
         if trainer.is_global_zero:
-            log.info("save_on_exception: saving step %d after the %s", step, why)
-
-    def _agree(self, step: int | None) -> int | None:
-        """``step`` if every rank can save that same step, else None. Under DDP, waits :data:`AGREE_TIMEOUT` at most."""
-        if self._exception_group is None:
-            return step
-        steps: list[Any] = [None] * dist.get_world_size(self._exception_group)
-        try:
-            dist.all_gather_object(steps, step, group=self._exception_group)
-        except RuntimeError as e:
-            log.warning("save_on_exception: not every rank reached the exception within %.0f s (%s)",
-                        min(self.drain_timeout, AGREE_TIMEOUT), e)
-            return None
-        return step if len(set(steps)) == 1 else None
-
-
-def _ranks(n: int) -> str:
-    return f"{n} rank" if n == 1 else f"{n} ranks"
-
-
-def _duration(seconds: float) -> str:
-    """``0.25 s``, ``45 s``, ``30 min``, ``5.2 h``, ``3.1 days``."""
-    if seconds < 10:
-        return f"{seconds:.2g} s"
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 3 * 86400:
-        return f"{seconds / 3600:.2g} h"
-    return f"{seconds / 86400:.2g} days" if seconds < 10 * 86400 else f"{seconds / 86400:.0f} days"
+            log.info("save_on_exception: saving step %d after the %s", step, type(exception).__name__)

@@ -10,9 +10,12 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import pytest
 import yaml
 
 from ft_checkpoint.config import ENV_PREFIX, CheckpointConfig
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 MANIFEST = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "kubernetes",
                         "pytorchjob.yaml")

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ft_checkpoint.adaptive.failures import LLAMA3_GPU_FAILURE_RATE, FailureModel, prior_mtbf
+from ft_checkpoint.adaptive.failures import LLAMA3_GPU_FAILURE_RATE, FailureModel, count_failures, prior_mtbf
 from ft_checkpoint.adaptive.interval import daly_interval, expected_waste
 from ft_checkpoint.policy import EveryInterval
 from ft_checkpoint.units import parse_duration
@@ -91,6 +91,16 @@ class AdaptiveInterval(EveryInterval):
         self.failures, self.past_exposure = failures, exposure
         self._attempt_start = self.clock()
         self._recompute()
+
+    def observe_journal(self, summaries: list[dict]) -> None:
+        """:meth:`observe_history` from the journal's attempt summaries (``journal.attempt_summaries``): the
+        failures and exposure they count, the newest save cost they recorded."""
+        failures, exposure = count_failures(summaries)
+        cost = next((s["save_cost"] for s in reversed(summaries) if s.get("save_cost") is not None), None)
+        self.observe_history(failures, exposure, cost=cost)  # a known cost replaces the guess
+        est = self.model.estimate(failures, exposure)
+        log.info("adaptive interval: %d failures in %.3g h of this job so far; MTBF estimate %.3g h (+/-%.0f%%)",
+                 failures, exposure / 3600, est.mtbf / 3600, 100 * est.relative_uncertainty)
 
     def observe_save(self, cost: float, durable: float) -> None:
         """One save's measured cost to the training and its time until durable (seconds)."""

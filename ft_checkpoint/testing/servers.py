@@ -29,7 +29,7 @@ def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server {proc.args} exited with {proc.returncode}")
+            raise RuntimeError(f"server {proc.args!r} exited with {proc.returncode}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5):
                 return

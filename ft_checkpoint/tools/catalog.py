@@ -225,7 +225,8 @@ def _describe(manifest: layout.Manifest, data: bytes) -> list[dict[str, Any]]:
     metadata = legacy.parse_metadata(data, manifest)
     return [{"name": name, "shape": [int(d) for d in md.size], "dtype": str(md.properties.dtype).removeprefix("torch."),
              "bytes": md.size.numel() * md.properties.dtype.itemsize, "chunks": len(md.chunks)}
-            for name, md in sorted(metadata.state_dict_metadata.items())]
+            for name, md in sorted(metadata.state_dict_metadata.items())
+            if isinstance(md, legacy.TensorStorageMetadata)]  # all of them: parse_metadata refuses other kinds
 
 
 # -- gc ----------------------------------------------------------------------------------------

@@ -200,10 +200,10 @@ def utc(t: float | None) -> str:
 
 def open_storage(url: str | None) -> Storage:
     """The checkpoint directory ``url`` (or ``FT_CHECKPOINT_DIRPATH``), with the training's storage options."""
-    from ft_checkpoint.tools.catalog import require_directory
     from ft_checkpoint.config import CheckpointConfig
     from ft_checkpoint.errors import ConfigError
     from ft_checkpoint.storage import Storage
+    from ft_checkpoint.tools.catalog import require_directory
 
     config = CheckpointConfig.from_env()
     url = url or config.dirpath

@@ -67,9 +67,9 @@ class AttemptReport:
     progress_interval: float | None = None
     """How often the attempt noted its progress (seconds; None if its journal does not say)."""
     gap_after_s: float | None = None
-    saves: list[tuple[float, int]] = dataclasses.field(default_factory=list)
+    saves: list[tuple[float, int | None]] = dataclasses.field(default_factory=list)
     """``(time, step)`` of each ``save_started``."""
-    commits: list[tuple[float, int]] = dataclasses.field(default_factory=list)
+    commits: list[tuple[float, int | None]] = dataclasses.field(default_factory=list)
     resumed_at: float | None = None
 
     @property
@@ -205,7 +205,7 @@ def _charge_restart(before: AttemptReport, after: AttemptReport) -> None:
         return
     reached = next((t for t, step in before.saves if step == resumed), None)
     if reached is None:
-        reached = before.resumed_at if before.resumed_from == resumed else before.start
+        reached = before.resumed_at if before.resumed_from == resumed and before.resumed_at is not None else before.start
     before.recomputed_since = reached
     before.recomputed_s = max(0.0, before.end - reached)
 

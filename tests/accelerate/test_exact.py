@@ -22,6 +22,8 @@ from tests.accelerate.conftest import STEPS, assert_bit_identical, final, launch
 from tests.accelerate.test_launch import run_pair
 from tests.accelerate.test_resume import INTERVAL, assert_skipped_not_loaded, run_until_done
 
+pytestmark = pytest.mark.slow
+
 SYNC_SAVES = {"FT_CHECKPOINT_ASYNC_SAVE": "0"}  # the step saved before a kill is committed: resume lands on it
 
 

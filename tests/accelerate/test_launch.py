@@ -10,8 +10,12 @@ from __future__ import annotations
 import glob
 import os
 
+import pytest
+
 from ft_checkpoint import layout, tensor_metadata
 from tests.accelerate.conftest import Attempt, assert_bit_identical, final, launch
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 ARGS = ("--interval", "3")
 KILL = ("--kill-at", "20", "--kill-rank", "1", "--kill-first-attempt")  # epoch 1 of 12 batches per rank

@@ -8,6 +8,8 @@ from ft_checkpoint import read_journal
 from ft_checkpoint.storage import Storage
 from tests.accelerate.conftest import assert_bit_identical, final, run_script
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("sig", ["SIGUSR1", "SIGTERM"])
 def test_signal_saves_that_step_exits_0_and_resumes_exactly(tmp_path, reference, sig):

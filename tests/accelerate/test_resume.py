@@ -13,8 +13,11 @@ import random
 import uuid
 
 import fsspec
+import pytest
 
 from tests.accelerate.conftest import BATCH, STEPS, assert_bit_identical, final, run_script
+
+pytestmark = pytest.mark.slow
 
 INTERVAL = "3"
 

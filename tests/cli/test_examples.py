@@ -23,6 +23,8 @@ import pytest
 from ft_checkpoint import layout
 from tests.cli.conftest import ROOT, cli, cli_json
 
+pytestmark = pytest.mark.slow
+
 TIMEOUT = 300
 EXACT = {"FT_CHECKPOINT_PROGRESS_INTERVAL": "0"}
 

@@ -16,10 +16,10 @@ import pytest
 from ft_checkpoint import CheckpointManager
 from ft_checkpoint.adaptive.failures import FailureModel, count_failures, prior_mtbf
 from ft_checkpoint.adaptive.interval import daly_interval, expected_waste, young_interval
-from ft_checkpoint.journal import Journal, attempt_summaries
 from ft_checkpoint.adaptive.policy import COST_GUESS, FIRST_SAVE_BY, AdaptiveInterval
-from ft_checkpoint.policy import SaveContext
 from ft_checkpoint.adaptive.simulate import POLICIES, _Fixed, _run, failure_times, simulate_scenario
+from ft_checkpoint.journal import Journal, attempt_summaries
+from ft_checkpoint.policy import SaveContext
 from ft_checkpoint.storage import Storage
 from tests.helpers.toy import make
 
@@ -86,7 +86,7 @@ def test_expected_rate_learns_from_survival_and_early_failures():
 
 def test_journal_attempts_count_failures_but_not_preemptions_or_clean_ends():
     s = Storage("memory://adaptive-journal")
-    for i, (last, ended) in enumerate([("commit", False), ("preempted", True), ("clean_end", True),
+    for i, (last, _ended) in enumerate([("commit", False), ("preempted", True), ("clean_end", True),
                                         ("commit", False), ("attempt_start", False)]):
         j = Journal(s, attempt=f"2026112{i}T000000.000000Z-a{i}")
         j.record("attempt_start")

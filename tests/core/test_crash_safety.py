@@ -12,11 +12,13 @@ import time
 import pytest
 
 from ft_checkpoint import CheckpointManager
-from ft_checkpoint.tools.catalog import check_step
 from ft_checkpoint.layout import list_steps
 from ft_checkpoint.storage import Storage
+from ft_checkpoint.tools.catalog import check_step
 from tests.helpers.crash_child import expected_state
 from tests.helpers.toy import assert_same
+
+pytestmark = pytest.mark.slow
 
 CHILD = os.path.join(os.path.dirname(os.path.dirname(__file__)), "helpers", "crash_child.py")
 
@@ -81,6 +83,6 @@ def test_sigkill_never_leaves_a_broken_commit(tmp_path, aim, trials):
         started = int(next(line for line in lines if line.startswith("RESUMED")).split()[1])
         assert step is None or step >= started, "a commit was lost"
         if aim == "data_written":
-            killed_step = int(next(l for l in reversed(lines) if l.startswith("PHASE data_written")).split()[2])
+            killed_step = int(next(line for line in reversed(lines) if line.startswith("PHASE data_written")).split()[2])
             assert step != killed_step, "a step with data but no manifest was taken as committed"
     assert resumed[-1] is not None and resumed[-1] > 0, f"no progress across kills: {resumed}"

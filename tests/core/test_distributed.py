@@ -6,9 +6,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from ft_checkpoint.layout import read_manifest
 from ft_checkpoint.storage import Storage
 from ft_checkpoint.testing.servers import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 WORKER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "helpers", "dist_worker.py")
 

@@ -14,6 +14,8 @@ from ft_checkpoint.journal import read_journal
 from ft_checkpoint.lease import LEASE
 from ft_checkpoint.storage import Storage
 
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOOP = """
 import sys, torch

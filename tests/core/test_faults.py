@@ -24,7 +24,7 @@ def test_ten_percent_transient_errors_every_save_commits(tmp_path):
         ckpt.wait()
         assert ckpt.failed_saves == 0 and ckpt.latest() == 10
         assert ckpt.storage.fs.injected > 10, "faults were injected"
-    for attempt in range(3):  # resume through the same faults, several times
+    for _ in range(3):  # resume through the same faults, several times
         resumed = make(seed=3)
         with CheckpointManager(url, storage_options=options, retries=8) as ckpt:
             ckpt.storage.backoff = 0.001

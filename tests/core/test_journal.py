@@ -7,9 +7,9 @@ import uuid
 import pytest
 
 from ft_checkpoint import CheckpointManager, read_journal
-from ft_checkpoint.tools.goodput import goodput_report
 from ft_checkpoint.journal import attempt_summaries
 from ft_checkpoint.storage import Storage
+from ft_checkpoint.tools.goodput import goodput_report
 from tests.helpers import garbage_journal as garbage
 from tests.helpers.toy import make
 

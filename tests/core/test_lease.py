@@ -171,6 +171,7 @@ lease.release()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["local", "s3", "gcs"])
 def test_a_hung_job_taken_over_stops_writing_when_it_wakes(kind, request, tmp_path):
     """A real process holds the lease, hangs (SIGSTOP) between two heartbeats, is taken over, and wakes."""

@@ -8,7 +8,7 @@ import pytest
 
 from ft_checkpoint import CheckpointManager, layout
 from ft_checkpoint.errors import Preempted
-from ft_checkpoint.policy import EveryInterval, EveryNSteps, OnPreemption, SaveContext, policy_from_interval
+from ft_checkpoint.policy import EveryInterval, EveryNSteps, OnPreemption, SaveContext
 from ft_checkpoint.retention import plan_deletions
 from tests.helpers.toy import make
 

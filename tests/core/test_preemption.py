@@ -12,13 +12,15 @@ import pytest
 import torch
 
 from ft_checkpoint import CheckpointConfig, CheckpointManager, ConfigError, read_journal
-from ft_checkpoint.errors import Preempted
 from ft_checkpoint.adaptive.failures import count_failures
+from ft_checkpoint.errors import Preempted
 from ft_checkpoint.journal import attempt_summaries
 from ft_checkpoint.preemption import PreemptionWatcher
 from ft_checkpoint.slurm import SlurmJob
 from ft_checkpoint.storage import Storage
 from ft_checkpoint.testing.servers import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers", "preempt_train.py")
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}

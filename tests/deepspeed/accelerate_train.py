@@ -71,7 +71,7 @@ def main() -> None:
 
     report(resumed_from=ft.resumed_from, engine=type(model).__name__)
     seen, micro = [], 0
-    for epoch in ft.epochs(args.epochs):
+    for _epoch in ft.epochs(args.epochs):
         for x, y, idx in ft.batches(loader):
             micro += 1
             if args.kill_at == ft.global_step + 1 and rank == args.kill_rank and ATTEMPT == 0:

@@ -24,9 +24,9 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_ft import FaultTolerantCheckpoint  # noqa: E402
+from lightning_ft.testing import Data, Net, trainer  # noqa: E402
 from tests.deepspeed.ds_train import flat_tensors, optimizer_state  # noqa: E402
 from tests.deepspeed.lightning_cpu import cpu_deepspeed_strategy  # noqa: E402
-from tests.lightning.models import Data, Net, trainer  # noqa: E402
 
 
 class Record(pl.Callback):

@@ -17,6 +17,8 @@ from ft_checkpoint.storage import Storage
 from ft_checkpoint.testing.servers import free_port
 from tests.deepspeed.conftest import TIMEOUT, Run, env
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 pytest.importorskip("accelerate")
 if importlib.util.find_spec("transformers") is None:  # Accelerate's DeepSpeed plugin imports it
     pytest.skip("transformers is not installed", allow_module_level=True)

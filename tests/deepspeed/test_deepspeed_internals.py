@@ -10,6 +10,8 @@ import pytest
 
 from tests.deepspeed.conftest import torchrun
 
+pytestmark = pytest.mark.slow
+
 CHECKS = ["version in TESTED", "safe globals resolve to DeepSpeed's classes", "checkpoint engine interface"] + [
     f"zero{zero}: {what}" for zero in (1, 2, 3) for what in (
         "default checkpoint engine is torch's", "sizes, stage, offload", "files a load reads",

@@ -17,6 +17,8 @@ import torch
 
 from tests.deepspeed.conftest import SEED, TIMEOUT, env
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 pytest.importorskip("lightning")
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lightning_train.py")
 

@@ -19,6 +19,8 @@ from ft_checkpoint import layout
 from ft_checkpoint.storage import Storage
 from tests.deepspeed.conftest import INTERVAL, SEED, STEPS, assert_bit_exact, final, torchrun
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 CONFIGS = [pytest.param(zero, ranks, id=f"zero{zero}-{ranks}rank") for zero in (1, 2, 3) for ranks in (1, 2)]
 
 

@@ -17,6 +17,8 @@ from ft_checkpoint import layout
 from ft_checkpoint.storage import Storage
 from tests.deepspeed.conftest import env, torchrun
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 REFUSALS = ["refuses optimizer offload to NVMe", "refuses parameter offload to NVMe",
             "refuses another checkpoint writer", "accepts offload to CPU", "two engines: files prefixed by key",
             "two engines: both resumed", "two engines: the same file name twice is refused"]

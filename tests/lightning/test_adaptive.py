@@ -13,7 +13,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from ft_checkpoint.adaptive.policy import AdaptiveInterval
 from lightning_ft import FaultTolerantCheckpoint
-from tests.lightning.models import fit
+from lightning_ft.testing import fit
 
 
 class SlowSteps(pl.Callback):

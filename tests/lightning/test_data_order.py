@@ -16,8 +16,10 @@ import os
 import pytest
 import torch
 
-from tests.lightning.models import assert_same
+from lightning_ft.testing import assert_same
 from tests.lightning.test_kill_resume import read_runs
+
+pytestmark = pytest.mark.slow
 
 
 def read_batches(out: str, rank: int) -> dict[int, dict]:

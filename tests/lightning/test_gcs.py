@@ -11,10 +11,13 @@ import os
 import uuid
 
 import fsspec
+import pytest
 import torch
 
 from ft_checkpoint import layout
-from tests.lightning.models import assert_same
+from lightning_ft.testing import assert_same
+
+pytestmark = pytest.mark.slow
 
 
 def test_kill_and_resume_on_gcs_emulator(job, tmp_path, gcs_server, single_reference):

@@ -13,9 +13,12 @@ import json
 import os
 import random
 
+import pytest
 import torch
 
-from tests.lightning.models import assert_same
+from lightning_ft.testing import assert_same
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 SEED = int(os.environ.get("FT_TEST_SEED", "7"))
 

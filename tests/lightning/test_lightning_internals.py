@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.loops import training_epoch_loop
 
 from lightning_ft import _lightning_internals as internals
-from tests.lightning.models import fit
+from lightning_ft.testing import fit
 
 HINT = (f"lightning {lightning.__version__} changed a private API that lightning_ft/_lightning_internals.py "
         "relies on: update that module for it")
@@ -157,11 +157,12 @@ class Replay(pl.Callback):
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_replay_epoch_recreates_the_same_batches(num_workers):
-    from tests.lightning.models import Data
+    from lightning_ft.testing import Data
 
     def run(callbacks):
         pl.seed_everything(0, verbose=False)
-        from tests.lightning.models import Net, trainer as make_trainer
+        from lightning_ft.testing import Net
+        from lightning_ft.testing import trainer as make_trainer
         model = Net()
         make_trainer(callbacks, max_epochs=2, limit_val_batches=0, enable_checkpointing=False).fit(
             model, datamodule=Data(num_workers=num_workers))
@@ -174,8 +175,8 @@ def test_silence_midepoch_warning_is_scoped():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         undo = internals.silence_midepoch_warning()
-        warnings.warn(internals.LIGHTNING_MIDEPOCH_WARNING + " and ...", UserWarning)
+        warnings.warn(internals.LIGHTNING_MIDEPOCH_WARNING + " and ...", UserWarning, stacklevel=1)
         assert not caught
         undo()
-        warnings.warn(internals.LIGHTNING_MIDEPOCH_WARNING + " and ...", UserWarning)
+        warnings.warn(internals.LIGHTNING_MIDEPOCH_WARNING + " and ...", UserWarning, stacklevel=1)
     assert len(caught) == 1

@@ -9,8 +9,10 @@ import torch
 
 from ft_checkpoint import read_journal
 from ft_checkpoint.storage import Storage
-from tests.lightning.models import assert_same
+from lightning_ft.testing import assert_same
 from tests.lightning.test_kill_resume import read_runs
+
+pytestmark = pytest.mark.slow
 
 
 def preempted_events(ckpt: str) -> list[dict]:

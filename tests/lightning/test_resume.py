@@ -17,7 +17,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from ft_checkpoint import ConfigError, StateMismatchError, layout
 from lightning_ft import FaultTolerantCheckpoint
-from tests.lightning.models import assert_same, final_state, fit
+from lightning_ft.testing import assert_same, final_state, fit
 
 
 def ft(dirpath, **kw) -> FaultTolerantCheckpoint:

@@ -13,7 +13,7 @@ import torch
 from ft_checkpoint import ConfigError
 from ft_checkpoint.state import split_tree
 from lightning_ft._state import PER_RANK_MAX_BYTES, from_core, to_core
-from tests.lightning.models import assert_same
+from lightning_ft.testing import assert_same
 
 
 def checkpoint() -> dict:

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from tests.lightning.test_kill_resume import read_runs
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 WARNING = "FaultTolerantCheckpoint: resuming from step 4, saved by 2 ranks, on 1 rank."
 

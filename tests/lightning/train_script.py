@@ -7,8 +7,8 @@ started at STEP is in flight), or ``writing`` (when the writer of the save of st
 data but not the manifest). The kill is a SIGKILL of the whole process group: every rank dies at once,
 as on a lost node. Run it with ``start_new_session=True``. ``--sigterm-at STEP`` sends SIGTERM instead
 (a preemption notice; Lightning turns it into an exception, and the job exits); ``--signal-in-step STEP``
-sends ``--signal`` to rank 0 inside a training step (FaultTolerantCheckpoint makes the final save). With ``--devices 2`` Lightning's DDP
-launcher starts rank 1 by running this script again (hence the ``__main__`` guard).
+sends ``--signal`` to rank 0 inside a training step (FaultTolerantCheckpoint makes the final save). With
+``--devices 2`` Lightning's DDP launcher starts rank 1 by running this script again (hence the ``__main__`` guard).
 
 ``--kill-after-commit`` makes a ``batch_end`` kill wait for the save in flight to commit first (the
 resume step is then known). ``--loader``, ``--workers`` and ``--augment`` choose the train loader (see
@@ -35,7 +35,7 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_ft import FaultTolerantCheckpoint  # noqa: E402
-from tests.lightning.models import LOADERS, Data, Net, final_state, trainer  # noqa: E402
+from lightning_ft.testing import LOADERS, Data, Net, final_state, trainer  # noqa: E402
 
 
 def kill_job() -> None:

@@ -11,8 +11,8 @@ import os
 import re
 import subprocess
 import time
-from datetime import datetime, timedelta
 from collections.abc import Callable
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest

@@ -22,6 +22,8 @@ from ft_checkpoint.journal import read_journal
 from ft_checkpoint.storage import Storage
 from tests.slurm.conftest import ROOT
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("lightning")
 
 SBATCH = os.path.join(ROOT, "examples", "slurm", "train.sbatch")

@@ -148,10 +148,9 @@ def test_is_transient_looks_at_http_status_and_causes():
 def test_gcs_stored_crc32c_is_compared_with_ours(request, tmp_path):
     """GCS keeps a CRC-32C of every object: a write compares it with the CRC of the bytes it sent, so bytes
     changed on the way are caught (and the write retried) before the commit, without reading them back."""
-    from tests.conftest import _make_backend
-
     from ft_checkpoint.checksum import crc32c_of
     from ft_checkpoint.storage import StoredChecksumMismatch
+    from tests.conftest import _make_backend
 
     backend = _make_backend("gcs", request, tmp_path)
     s = Storage(backend.url, backend.storage_options, retries=1)

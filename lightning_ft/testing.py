@@ -1,4 +1,5 @@
-"""A small Lightning model and data that make exact resume hard: dropout, BatchNorm, every RNG, shuffling.
+"""Test support: a small Lightning model and data that make exact resume hard (dropout, BatchNorm, every RNG,
+shuffling), for the tests, the chaos benchmark and your own checks of a resume.
 
 ``training_step`` draws from the torch, Python and NumPy RNGs, so a resume that restores any of them
 wrongly changes the weights; it records which samples each batch held, so tests can compare data order.
@@ -75,15 +76,16 @@ class Net(pl.LightningModule):
         self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
 
     def on_train_epoch_end(self) -> None:
-        if self.trainer.datamodule is not None:
-            self.trainer.datamodule.train_epochs += 1
+        datamodule = getattr(self.trainer, "datamodule", None)  # set by fit (not in Trainer's type hints)
+        if datamodule is not None:
+            datamodule.train_epochs += 1
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.kill is not None:
             self.kill(self.trainer)
 
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"])
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -108,7 +110,7 @@ class Data(pl.LightningDataModule):
             return DataLoader(data, sampler=RandomSampler(data, generator=torch.Generator().manual_seed(LOADER_SEED)),
                               **kw)
         if self.loader == "weighted_generator":  # every sample once per epoch, heavier ones earlier
-            weights = torch.linspace(1.0, 2.0, len(data))
+            weights = torch.linspace(1.0, 2.0, len(data)).tolist()
             sampler = WeightedRandomSampler(weights, len(data), replacement=False,
                                             generator=torch.Generator().manual_seed(LOADER_SEED))
             return DataLoader(data, sampler=sampler, **kw)

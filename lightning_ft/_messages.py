@@ -1,0 +1,83 @@
+"""What the callback tells the user through Lightning's rank-zero channel: the start of a fit (fresh or
+resumed, when the next save is due), a fit that saved nothing, a resume on another number of ranks.
+
+Example:
+    >>> from ft_checkpoint import CheckpointManager
+    >>> with CheckpointManager("memory://doc/messages", interval=50, announce=False) as manager:
+    ...     next_save(manager, 120, first=False)
+    'next save at step 150 (every 50 steps)'
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from ft_checkpoint.units import human_seconds
+from lightning_ft import _lightning_internals as internals
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from ft_checkpoint import CheckpointManager
+
+PREFIX = "FaultTolerantCheckpoint: "
+
+
+def announce_start(trainer: pl.Trainer, manager: CheckpointManager, *, resumed: bool, resumed_from: int | None) -> None:
+    """Where training starts (resumed, fresh, or at ``fit(ckpt_path=...)``'s step) and when the next save is due."""
+    if resumed:
+        where = (f"resuming from step {trainer.global_step} (epoch {trainer.current_epoch}, "
+                 f"{internals.batches_done_in_epoch(trainer)} batches of it done)")
+    elif resumed_from is None and trainer.ckpt_path is None:
+        where = f"no checkpoint in {manager.storage.url} yet: starting fresh"
+    else:
+        where = f"training starts at step {trainer.global_step}"
+    rank_zero_info(f"{PREFIX}{where}; {next_save(manager, trainer.global_step, first=not resumed)}")
+
+
+def announce_no_save(trainer: pl.Trainer, manager: CheckpointManager, *, seconds: float,
+                     resumed_from: int | None) -> None:
+    """A fit that ended without a save: say so, where the newest checkpoint is, and when saves would come."""
+    newest = f"the newest checkpoint is still step {resumed_from}" if resumed_from is not None else \
+        f"there is no checkpoint in {manager.storage.url}"
+    rank_zero_info(f"{PREFIX}this fit saved no checkpoint in its {human_seconds(seconds)} ({newest}); "
+                   f"{next_save(manager, trainer.global_step, first=False)}")
+
+
+def next_save(manager: CheckpointManager, step: int, *, first: bool) -> str:
+    """When ``manager``'s policy saves next after ``step``, in words (for the adaptive interval: as planned now)."""
+    which, metrics = "first save" if first else "next save", manager.metrics()
+    if "interval_steps" in metrics:
+        n = int(metrics["interval_steps"])
+        return f"{which} at step {(step // n + 1) * n} (every {n} steps)"
+    if manager.adaptive is not None:
+        guess = " (a guess until a save measures it)" if manager.adaptive.cost is None else ""
+        return (f"{which} due in about {human_seconds(metrics['interval_s'])} (adaptive interval, planned for a save "
+                f"cost of {human_seconds(metrics['cost_s'])}{guess} and an MTBF of {human_seconds(metrics['mtbf_s'])}; "
+                f"a run that ends sooner saves nothing: pass interval=<steps> or a duration such as '10m' for short "
+                f"runs)")
+    if "interval_s" in metrics:
+        every = human_seconds(metrics["interval_s"])
+        return f"{which} due in {every} (every {every})"
+    return f"saves when {manager.policy!r} says so"
+
+
+def warn_world_size(trainer: pl.Trainer, saved: int | None, skip: int) -> None:
+    """Warn when the checkpoint was saved by another number of ranks: the data position is not exact."""
+    if saved is None or saved == trainer.world_size:
+        return
+    rank_zero_warn(
+        f"{PREFIX}resuming from step {trainer.global_step}, saved by {_ranks(saved)}, on "
+        f"{_ranks(trainer.world_size)}. Exact: the model, optimizer and LR scheduler states, the step and epoch "
+        f"counters, callback and datamodule state. Not exact: the data of epoch {trainer.current_epoch}: it "
+        f"continues after batch {skip} of the {trainer.num_training_batches} each rank now gets per epoch, so "
+        f"some of this epoch's samples are trained on twice and others not at all; later epochs are complete "
+        f"but split and ordered differently than on {_ranks(saved)}; rank r continues with the RNG states "
+        f"saved by rank r mod {saved}; the global batch size changes with the rank count. HINT: restart on "
+        f"{_ranks(saved)} to resume exactly")
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
