@@ -161,10 +161,11 @@ def accelerate(ckpt: str, probe: Probe) -> None:
     from accelerate.utils import set_seed
 
     from accelerate_ft import FaultTolerantCheckpoint
+    from accelerate_ft.testing import toy_model
 
     set_seed(0)
     acc = Accelerator(cpu=True)
-    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
+    model = toy_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
     g = torch.Generator().manual_seed(1234)

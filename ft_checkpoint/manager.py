@@ -269,10 +269,10 @@ class CheckpointManager:
         self._check_step_is_new(step + 1, why=why)
 
     def _check_step_is_new(self, step: int, *, why: str | None = None) -> None:
+        """Refuse (StateMismatchError) a step at or below the newest committed in the directory."""
         newest = max((s for s in (self._newest_committed, self._events.last_committed) if s is not None), default=None)
         if newest is not None and step <= newest:
             refuse_older_step(self.storage, self.groups, step, newest, why=why)
-
 
     def metrics(self) -> dict[str, float]:
         """Numbers worth logging: the last save's stall, time to durable and bytes; the interval."""

@@ -36,7 +36,7 @@ import dataclasses
 import logging
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, cast
 
@@ -70,6 +70,8 @@ DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in tensor_metadata.
                                    if isinstance(getattr(torch, n, None), torch.dtype)}
 """The dtypes the format stores, by name (those whose bytes are plain memory), in this torch."""
 Chunk = tensor_metadata.ChunkEntry
+MAX_READERS = 4
+"""A rank reads at most this many of a step's files at once at a resume."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -338,9 +340,13 @@ class ShardReader(StorageReader):
             if item.type != LoadItemType.TENSOR:
                 raise CheckpointCorruptError(f"{item.storage_index.fqn}: only tensors are read from shard files")
             per_file.setdefault(self._chunk(item).file, []).append(item)
-        for name, items in sorted(per_file.items()):
-            rel = f"{self.rel}/{name}"
-            self.storage.call("read", rel, self._read_file, rel, items, planner)
+        jobs = [(f"{self.rel}/{name}", items) for name, items in sorted(per_file.items())]
+        read = lambda job: self.storage.call("read", job[0], self._read_file, job[0], job[1], planner)  # noqa: E731
+        if len(jobs) <= 1:
+            list(map(read, jobs))
+        else:  # the files a save wrote in parallel are read in parallel (each range's CRC overlaps another's read)
+            with ThreadPoolExecutor(min(len(jobs), MAX_READERS), thread_name_prefix="ft-checkpoint-read") as pool:
+                list(pool.map(read, jobs))
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -349,9 +355,15 @@ class ShardReader(StorageReader):
         return self.metadata.storage_data[item.storage_index]
 
     def _read_file(self, rel: str, items: list[ReadItem], planner: LoadPlanner) -> None:
+        """Read ``items`` from one file in offset order: each large chunk straight into its tensor; on an object
+        store, runs of small chunks with one ranged get each (then copied: a few percent of the bytes)."""
+        ordered = sorted(items, key=lambda i: self._chunk(i).offset)
         with self.storage.open_read(rel) as f:
-            for item in sorted(items, key=lambda i: self._chunk(i).offset):
-                self._read_item(f, rel, item, planner)
+            for run in ([[i] for i in ordered] if self.storage.is_local else _runs(ordered, self._chunk)):
+                source = f if len(run) == 1 else _Span.read(f, self._chunk(run[0]).offset,
+                                                            _end(self._chunk(run[-1])), rel)
+                for item in run:
+                    self._read_item(source, rel, item, planner)
 
     def _read_item(self, f: Any, rel: str, item: ReadItem, planner: LoadPlanner) -> None:
         chunk = self._chunk(item)
@@ -380,6 +392,52 @@ class ShardReader(StorageReader):
         if buffer is not target:
             target.copy_(narrow(buffer, item.storage_offsets, item.lengths))
         planner.commit_tensor(item, target)
+
+
+SMALL = 1 << 20
+"""Chunks up to this size are read in runs from an object store (one ranged get per run)."""
+
+
+def _end(chunk: Chunk) -> int:
+    return chunk.offset + chunk.length
+
+
+def _runs(items: list[ReadItem], chunk_of: Callable[[ReadItem], Chunk]) -> list[list[ReadItem]]:
+    """``items`` (in offset order) grouped: each large chunk alone, consecutive small ones together (up to
+    ``IO_SLICE`` bytes per run, gaps included)."""
+    runs: list[list[ReadItem]] = []
+    for item in items:
+        chunk = chunk_of(item)
+        last = runs[-1] if runs else None
+        if chunk.length <= SMALL and last is not None and chunk_of(last[-1]).length <= SMALL \
+                and _end(chunk) - chunk_of(last[0]).offset <= IO_SLICE:
+            last.append(item)
+        else:
+            runs.append([item])
+    return runs
+
+
+class _Span:
+    """Bytes ``[start, end)`` of a file, read with one ranged get, served as a file to ``_read_item``."""
+
+    def __init__(self, data: bytearray, start: int) -> None:
+        self.data, self.start, self.pos = memoryview(data), start, start
+
+    @classmethod
+    def read(cls, f: Any, start: int, end: int, rel: str) -> _Span:
+        data = bytearray(end - start)
+        f.seek(start)
+        _read_exactly(f, memoryview(data), rel)
+        return cls(data, start)
+
+    def seek(self, pos: int) -> None:
+        self.pos = pos
+
+    def readinto(self, view: memoryview) -> int:
+        piece = self.data[self.pos - self.start:self.pos - self.start + len(view)]
+        view[:len(piece)] = piece
+        self.pos += len(piece)
+        return len(piece)
 
 
 def _read_exactly(f: Any, view: memoryview, rel: str) -> None:

@@ -398,13 +398,14 @@ class Storage:
 
     @contextlib.contextmanager
     def open_read(self, rel: str) -> Iterator[Any]:
-        """A seekable file to read ``rel`` from, with ``readinto`` (unbuffered on local disk)."""
+        """A seekable file to read ``rel`` from, with ``readinto``: unbuffered (on an object store each read
+        is one ranged get, with no read-ahead: read large ranges, see ``shards.ShardReader``)."""
         path = self.path(rel)
         if self.is_local:
             with open(path, "rb", buffering=0) as f:
                 yield f
         else:
-            with self.fs.open(path, "rb", **self.read_options) as f:
+            with self.fs.open(path, "rb", cache_type="none") as f:
                 yield f
 
     def sync_dir(self, rel: str) -> None:

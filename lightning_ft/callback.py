@@ -38,7 +38,8 @@ from lightning_ft import _lightning_internals as internals
 from lightning_ft import _messages as messages
 from lightning_ft._data import EpochStart
 from lightning_ft._on_exception import SafePoints, run_within
-from lightning_ft._state import from_core, rank0_buffers, to_core
+from lightning_ft._snapshot import Snapshots
+from lightning_ft._state import from_core
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -159,7 +160,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         """Seconds each of those saves blocked training (taking Lightning's state dict, then staging)."""
         self.resumed_from: int | None = None
         """The step the last fit resumed from, or None."""
-        self._deepspeed: Any = None
+        self._snapshots = Snapshots()
         self._safe = SafePoints(drain_timeout)
         self._reset()
 
@@ -247,11 +248,11 @@ class FaultTolerantCheckpoint(Checkpoint):
         if resumable and self._pending:  # a save asked for at an earlier batch, where a resume could not start
             self._pending = False
             self.manager.note_step(step)
-            self._save(trainer, step, lambda: self._snapshot(trainer, self._epoch_start))
+            self._save(trainer, step, lambda: self._snapshots.take(trainer, self._epoch_start))
             if self.manager.preempted:
                 self.manager.stop_for_preemption()
         elif resumable:  # a preemption notice makes this the final save, then exits (Preempted)
-            self._save(trainer, step, lambda: self._snapshot(trainer, self._epoch_start), if_due=True)
+            self._save(trainer, step, lambda: self._snapshots.take(trainer, self._epoch_start), if_due=True)
         else:
             self.manager.note_step(step)
             if self.manager.agree_to_save(step):
@@ -304,7 +305,7 @@ class FaultTolerantCheckpoint(Checkpoint):
                 log.info("fit(ckpt_path=%r) was given: resuming from it, not from the newest checkpoint in %s",
                          str(ckpt_path), self.manager.storage.url)
             return None
-        state: dict[str, Any] = {"lightning": {}, "loader": {}, **self._engine_state(trainer)}
+        state: dict[str, Any] = {"lightning": {}, "loader": {}, **self._snapshots.engine_state(trainer)}
         step = self.manager.resume(state, restore_rng=False)  # applied once the data is back in place
         if step is None:
             return None
@@ -336,36 +337,6 @@ class FaultTolerantCheckpoint(Checkpoint):
     def _resumable(trainer: pl.Trainer) -> bool:
         """Whether a resume can start right after the current batch (the same answer on every rank)."""
         return not (trainer.should_stop or internals.is_last_batch(trainer) or internals.validation_follows(trainer))
-
-    def _snapshot(self, trainer: pl.Trainer, epoch_start: EpochStart | None,
-                  loops: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The state to save: Lightning's checkpoint dict (translated), what the epoch's data order came
-        from, and the world size."""
-        checkpoint = internals.dump_checkpoint(trainer)
-        if loops is not None:
-            checkpoint["loops"] = loops
-        engine = self._engine_state(trainer)
-        if engine:  # the engine saves model and optimizer itself, as in Lightning's own DeepSpeed checkpoints
-            checkpoint = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        elif isinstance(trainer.strategy, DDPStrategy) and trainer.world_size > 1:
-            checkpoint["state_dict"] = rank0_buffers(checkpoint["state_dict"], trainer.lightning_module)
-        loader = epoch_start.to_state() if epoch_start is not None else {}
-        return {"lightning": to_core(checkpoint), "loader": {**loader, "world_size": trainer.world_size}, **engine}
-
-    def _engine_state(self, trainer: pl.Trainer) -> dict[str, Any]:
-        """Under DeepSpeed ``{"deepspeed": DeepSpeedState(engine)}`` (one per engine, kept: it reuses its staging
-        buffers), else ``{}``. The engine exists once ``strategy.setup`` ran."""
-        strategy = trainer.strategy
-        if not isinstance(strategy, DeepSpeedStrategy):
-            return {}
-        engine = strategy.deepspeed_engine
-        if self._deepspeed is None or self._deepspeed.engine is not engine:
-            from ft_checkpoint.deepspeed import DeepSpeedState
-
-            self._deepspeed = DeepSpeedState(engine, load_module_strict=trainer.lightning_module.strict_loading,
-                                             load_lr_scheduler_states=False,  # Lightning restores its schedulers
-                                             exclude_frozen_parameters=strategy.exclude_frozen_parameters)
-        return {"deepspeed": self._deepspeed}
 
     def _save(self, trainer: pl.Trainer, step: int, snapshot: Callable[[], dict[str, Any]], *,
               if_due: bool = False) -> None:
@@ -434,6 +405,6 @@ class FaultTolerantCheckpoint(Checkpoint):
         if any(s.step == step for s in self.saves):
             return  # saved already
         set_rng_state(safe.rng)  # the manager saves the RNG as of the call
-        self._save(trainer, step, lambda: self._snapshot(trainer, safe.epoch_start, loops=safe.loops))
+        self._save(trainer, step, lambda: self._snapshots.take(trainer, safe.epoch_start, loops=safe.loops))
         if trainer.is_global_zero:
             log.info("save_on_exception: saving step %d after the %s", step, type(exception).__name__)

@@ -13,20 +13,18 @@ loop body of micro-batch N (counted over all epochs), so a save may be in flight
 sends ``--signal`` (a preemption notice) there instead. Without ``--dirpath``
 the checkpoint settings come only from ``FT_CHECKPOINT_*`` env vars. At the end each rank writes
 ``OUT/final_rank<R>.pt``: final weights, optimizer state, learning rate, the next random numbers, and
-the sample indices and inputs this attempt trained on. Lines starting with ``FTTEST`` report what happened.
+the sample indices and inputs this attempt trained on. What happened is reported into
+``OUT/report.rank<R>.jsonl`` (``ft_checkpoint.testing.jobs``): a ``start``, a ``killed`` and a ``summary`` event.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import random
 import signal
 import sys
 
-import numpy as np
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import set_seed
@@ -34,30 +32,8 @@ from accelerate.utils import set_seed
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from accelerate_ft import FaultTolerantCheckpoint  # noqa: E402
-
-
-class IndexedData(torch.utils.data.Dataset):
-    """``(x, y, index)`` samples that count how often they are loaded (in this process).
-
-    With ``augment``, ``__getitem__`` draws random numbers like a random crop or masking does, from
-    torch's, Python's and NumPy's global RNGs (in the main process, or in a worker).
-    """
-
-    def __init__(self, n: int, augment: bool = False) -> None:
-        g = torch.Generator().manual_seed(1234)
-        self.x, self.y = torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g)
-        self.augment = augment
-        self.loaded = 0
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int):
-        self.loaded += 1
-        x = self.x[i]
-        if self.augment:
-            x = x * (torch.rand(8) > 0.2) + random.gauss(0, 0.1) + float(np.random.uniform(-0.1, 0.1))
-        return x, self.y[i], i
+from accelerate_ft.testing import IndexedData, toy_model  # noqa: E402
+from ft_checkpoint.testing.jobs import report  # noqa: E402
 
 
 def parse() -> argparse.Namespace:
@@ -87,9 +63,7 @@ def parse() -> argparse.Namespace:
 
 
 def build_model(acc: Accelerator, fsdp2: bool, batchnorm: bool = False) -> torch.nn.Module:
-    layers = [torch.nn.Linear(8, 32), *([torch.nn.BatchNorm1d(32)] if batchnorm else []), torch.nn.ReLU(),
-              torch.nn.Dropout(0.2), torch.nn.Linear(32, 1)]
-    model = torch.nn.Sequential(*layers)
+    model = toy_model(batchnorm)
     if fsdp2:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -116,12 +90,11 @@ def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict
 def train(args: argparse.Namespace, acc: Accelerator, ft: FaultTolerantCheckpoint, model, opt, sched, loader,
           record: dict) -> None:
     """The training loop: ``accelerator.accumulate`` (``--ga``), or manual accumulation (``--manual-accum``)."""
-    print(f"FTTEST rank={acc.process_index} resumed_from={ft.resumed_from} epoch={ft.epoch} "
-          f"batches_done={ft.batches_done}", flush=True)
+    report(args.out, event="start", resumed_from=ft.resumed_from, epoch=ft.epoch, batches_done=ft.batches_done)
     for _ in ft.epochs(args.epochs):
         for step, (x, y, index) in ft.enumerate(loader):
             if should_kill(args, acc, ft.epoch * len(loader) + ft.batches_done):
-                print(f"FTTEST rank={acc.process_index} SIGKILL at global_step={ft.global_step}", flush=True)
+                report(args.out, event="killed", global_step=ft.global_step)
                 os.kill(os.getpid(), signal.SIGKILL)
             if args.signal_at == ft.epoch * len(loader) + ft.batches_done:
                 os.kill(os.getpid(), signal.Signals[args.signal])  # a preemption notice
@@ -177,8 +150,7 @@ def main() -> None:
     result = {"model": model_sd, "optim": optim_sd, "lr": sched.get_last_lr(), "probe": torch.rand(4),
               "seen": record["seen"], "inputs": record["inputs"], "global_step": ft.global_step}
     torch.save(result, os.path.join(args.out, f"final_rank{acc.process_index}.pt"))
-    print("FTTEST " + json.dumps({"rank": acc.process_index, "ran": record["ran"], "loaded": data.loaded,
-                                  "global_step": ft.global_step}), flush=True)
+    report(args.out, event="summary", ran=record["ran"], loaded=data.loaded, global_step=ft.global_step)
     acc.wait_for_everyone()
     if args.fail_at_end:
         raise RuntimeError("the script failed after training")

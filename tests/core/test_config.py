@@ -236,6 +236,7 @@ YAML_VALUES = [".nan", ".inf", "-.inf", "1.0e+400", "1e400", "[" * 10_000 + "]" 
                "!!python/object/apply:os.system ['true']", "'" + "x" * 100_000 + "'", "[SIGTERM, [SIGUSR1]]"]
 
 
+@pytest.mark.slow  # 30 fields x 30 hostile values through PyYAML: about 40 s
 @pytest.mark.parametrize("field", FIELDS)
 def test_every_hostile_yaml_value_is_valid_or_a_config_error(field, tmp_path, monkeypatch):
     path = tmp_path / "ft.yaml"

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
 from ft_checkpoint.layout import read_manifest
 from ft_checkpoint.storage import Storage
-from ft_checkpoint.testing.servers import free_port
+from ft_checkpoint.testing import jobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -18,11 +16,7 @@ WORKER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "helpers", "di
 
 
 def torchrun(nproc: int, *args: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), WORKER, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
+    return jobs.run(WORKER, *args, launcher="torchrun", nproc=nproc, timeout=300).expect(0).stdout
 
 
 def test_sharded_save_then_load_on_2_and_on_1_rank(tmp_path):

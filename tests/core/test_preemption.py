@@ -18,7 +18,7 @@ from ft_checkpoint.journal import attempt_summaries
 from ft_checkpoint.preemption import PreemptionWatcher
 from ft_checkpoint.slurm import SlurmJob
 from ft_checkpoint.storage import Storage
-from ft_checkpoint.testing.servers import free_port
+from ft_checkpoint.testing import jobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -27,14 +27,10 @@ ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
 TIMEOUT = 300
 
 
-def run(dirpath, out, *args, torchrun=None):
-    cmd = [sys.executable, SCRIPT, str(dirpath), str(out), *map(str, args)]
-    env = ENV
-    if torchrun:  # restarts are reliable with the c10d rendezvous and an unshared TCP store
-        cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun, "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"127.0.0.1:{free_port()}", *cmd[1:]]
-        env = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env)
+def run(dirpath, out, *args, torchrun=False) -> jobs.Finished:
+    """The script alone, or with ``torchrun``: 2 ranks, up to 3 restarts."""
+    return jobs.run(SCRIPT, dirpath, out, *args, launcher="torchrun" if torchrun else "python", nproc=2, restarts=3,
+                    env={"PYTHONWARNINGS": "ignore"}, timeout=TIMEOUT)
 
 
 def run_and_signal(dirpath, out, sig, after_step, *args):
@@ -154,13 +150,12 @@ def test_signal_mid_run_saves_that_step_exits_0_and_resumes_exactly(tmp_path, re
     assert count_failures(attempt_summaries(storage))[0] == 0  # an announced preemption is no failure
 
 
-TORCHRUN = ["--nproc-per-node", "2", "--max-restarts", "3", "--monitor-interval", "0.2"]
 
 
 @pytest.fixture(scope="module")
 def torchrun_reference(tmp_path_factory):
     root = tmp_path_factory.mktemp("torchrun-reference")
-    proc = run(root / "ckpt", root / "out", "--steps", 40, torchrun=TORCHRUN)
+    proc = run(root / "ckpt", root / "out", "--steps", 40, torchrun=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return root / "out" / "final.pt"
 
@@ -168,12 +163,12 @@ def torchrun_reference(tmp_path_factory):
 def test_torchrun_signal_to_one_rank_stops_both_at_the_same_step(tmp_path, torchrun_reference):
     """SIGUSR1 to rank 1 only: the ranks agree, save that step together, torchrun exits 0; the restart is exact."""
     proc = run(tmp_path / "ckpt", tmp_path / "out", "--steps", 40, "--signal-rank", 1, "--signal-at", 12,
-               torchrun=TORCHRUN)
+               torchrun=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "STEP 12" in proc.stdout and "STEP 13" not in proc.stdout and not os.path.exists(tmp_path / "out")
     events = read_journal(Storage(str(tmp_path / "ckpt")))
     assert [(e["step"], e["reason"]) for e in events if e["event"] == "preempted"] == [(12, "SIGUSR1 on rank 1")]
-    proc = run(tmp_path / "ckpt", tmp_path / "out", "--steps", 40, torchrun=TORCHRUN)
+    proc = run(tmp_path / "ckpt", tmp_path / "out", "--steps", 40, torchrun=True)
     assert proc.returncode == 0 and "RESUMED 12" in proc.stdout, proc.stdout + proc.stderr
     assert same_weights(torchrun_reference, tmp_path / "out" / "final.pt")
 
@@ -181,7 +176,7 @@ def test_torchrun_signal_to_one_rank_stops_both_at_the_same_step(tmp_path, torch
 def test_torchrun_max_restarts_resumes_after_a_rank_is_killed(tmp_path, torchrun_reference):
     """torchrun --nproc-per-node 2 --max-restarts 3, rank 1 SIGKILLed: the group restarts, resumes, ends exact."""
     proc = run(tmp_path / "ckpt", tmp_path / "out", "--steps", 40, "--kill-rank", 1, "--kill-at", 25,
-               torchrun=TORCHRUN)
+               torchrun=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     resumed = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("RESUMED")]
     assert resumed in (["none", "10"], ["none", "20"]), proc.stdout  # step 20 if its write beat the kill

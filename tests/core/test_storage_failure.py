@@ -64,6 +64,7 @@ def test_read_only_directory_fails_at_close(tmp_path):
         assert again.latest() == 1
 
 
+@pytest.mark.slow  # a storage server is stopped and restarted: about 40 s
 def test_server_stopped_during_background_save(tmp_path):
     """A real GCS emulator (objects on disk) is killed mid-save, then restarted: step 1 is intact."""
     server = servers.start("gcs", data_dir=str(tmp_path))

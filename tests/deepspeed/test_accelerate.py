@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from ft_checkpoint import layout
 from ft_checkpoint.storage import Storage
-from ft_checkpoint.testing.servers import free_port
-from tests.deepspeed.conftest import TIMEOUT, Run, env
+from ft_checkpoint.testing import jobs
+from tests.deepspeed.conftest import ENV, TIMEOUT, Run
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -27,13 +25,9 @@ KILL_AT = 17  # epoch 1 of 6 steps per epoch and rank; saves every 3 steps
 
 
 def launch(zero: int, out, *args: str, tmp_path) -> Run:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--zero_stage", str(zero),
-           "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--max_restarts", "1", "--rdzv_backend", "c10d", "--main_process_port", str(free_port()),
-           SCRIPT, str(out), *args]
-    extra = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "HF_HOME": str(tmp_path / "hf_home")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env(extra))
-    return Run(proc.returncode, proc.stdout, proc.stderr, str(out))
+    return jobs.run(SCRIPT, out, *args, out=out, launcher="accelerate", nproc=2, restarts=1, timeout=TIMEOUT,
+                    launcher_args=["--use_deepspeed", "--zero_stage", str(zero)],
+                    env={**ENV, "HF_HOME": str(tmp_path / "hf_home")})
 
 
 @pytest.mark.parametrize("zero", [2, 3])

@@ -9,13 +9,12 @@ import inspect
 import json
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.deepspeed.conftest import SEED, TIMEOUT, env
+from ft_checkpoint.testing import jobs
+from tests.deepspeed.conftest import ENV, SEED, TIMEOUT
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -24,13 +23,8 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lightning_tra
 
 
 def job(tmp_path, name: str, stage: int, *args, killed: bool = False) -> None:
-    cmd = [sys.executable, SCRIPT, str(tmp_path / f"{name}-ckpt"), str(tmp_path / name), "--stage", str(stage),
-           *map(str, args)]
-    proc = subprocess.run(cmd, start_new_session=True, capture_output=True, text=True, timeout=TIMEOUT,
-                          env=env({"PYTHONWARNINGS": "ignore"}))
-    expected = -9 if killed else 0
-    output = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == expected, f"exit {proc.returncode}, expected {expected}\n{output}"
+    jobs.run(SCRIPT, tmp_path / f"{name}-ckpt", tmp_path / name, "--stage", stage, *args, new_session=True,
+             env={**ENV, "PYTHONWARNINGS": "ignore"}, timeout=TIMEOUT).expect(-9 if killed else 0)
 
 
 def batches(out, rank: int) -> dict[int, list[int]]:

@@ -15,7 +15,8 @@ import pytest
 
 from ft_checkpoint import layout
 from ft_checkpoint.storage import Storage
-from tests.deepspeed.conftest import env, torchrun
+from ft_checkpoint.testing import jobs
+from tests.deepspeed.conftest import ENV, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -54,7 +55,8 @@ def test_the_hinted_universal_conversion_loads_on_another_data_parallel_size(uni
     shutil.copy(os.path.join(base, "out", "final_rank0.pt"), tmp_path / "uni")
     proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                            os.path.join(base, "ckpt", layout.step_dir(newest)), "--output_folder",
-                           str(tmp_path / "uni" / "universal")], capture_output=True, text=True, env=env(), timeout=300)
+                           str(tmp_path / "uni" / "universal")], capture_output=True, text=True,
+                          env=jobs.job_env(ENV), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = torchrun("ds_checks.py", 1, tmp_path / "out", "universal", tmp_path / "uni", out=tmp_path / "out")
     assert run.returncode == 0, run.explain()
@@ -79,7 +81,7 @@ def test_a_step_is_a_deepspeed_checkpoint_that_zero_to_fp32_reads(uninterrupted,
     package = importlib.util.find_spec("deepspeed").submodule_search_locations[0]
     script = shutil.copy(os.path.join(package, "utils", "zero_to_fp32.py"), tmp_path)  # its directory shadows torch
     proc = subprocess.run([sys.executable, script, os.path.join(base, "ckpt"), str(tmp_path / "fp32"), "--tag",
-                           layout.step_dir(newest)], capture_output=True, text=True, env=env(), timeout=300)
+                           layout.step_dir(newest)], capture_output=True, text=True, env=jobs.job_env(ENV), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     import torch
 

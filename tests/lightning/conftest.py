@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
 import sys
 from typing import Any
 
 import pytest
+
+from ft_checkpoint.testing import jobs
 
 pytest.importorskip("lightning")
 
@@ -24,13 +25,9 @@ class Job:
 
     def run(self, dirpath: str, out: str, *args: Any, killed: bool = False, env: dict[str, str] | None = None) -> str:
         """Run to the end (or, with ``killed``, until the job SIGKILLs itself); returns its output."""
-        cmd = [self.python, SCRIPT, dirpath, out, *map(str, args)]
-        proc = subprocess.run(cmd, start_new_session=True, capture_output=True, text=True, timeout=TIMEOUT,
-                              env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
-        output = proc.stdout + proc.stderr
-        expected = -9 if killed else 0
-        assert proc.returncode == expected, f"{' '.join(cmd)} exited {proc.returncode}, expected {expected}:\n{output[-4000:]}"
-        return output
+        job = jobs.run(SCRIPT, dirpath, out, *args, new_session=True, timeout=TIMEOUT,
+                       env={"PYTHONWARNINGS": "ignore", **(env or {})})
+        return job.expect(-9 if killed else 0).output
 
 
 @pytest.fixture(scope="session")

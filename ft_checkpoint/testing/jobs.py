@@ -1,0 +1,127 @@
+"""Test support: run a training script as a real job (one process, ``torchrun`` or ``accelerate launch``)
+and read what its ranks reported.
+
+A script reports with :func:`report`: one JSON object per line in ``OUT/report.rank<R>.jsonl`` (``R`` from
+``RANK``), appended, so that a rank restarted by its launcher adds to what it reported before. :func:`run`
+returns a :class:`Finished` job whose :attr:`~Finished.rows` are the objects reported during that run only.
+
+Example:
+    >>> import os, sys, tempfile
+    >>> out = tempfile.mkdtemp()
+    >>> script = os.path.join(out, "train.py")
+    >>> with open(script, "w") as f:
+    ...     _ = f.write("import sys\\nfrom ft_checkpoint.testing.jobs import report\\n"
+    ...                 "report(sys.argv[1], step=3, loss=0.5)\\n")
+    >>> job = run(script, out, out=out).expect(0)
+    >>> job.where(step=3)
+    [{'rank': 0, 'step': 3, 'loss': 0.5}]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+from ft_checkpoint.testing.servers import free_port
+
+LAUNCHERS = ("python", "torchrun", "accelerate")
+
+
+def report(out: str, **fields: Any) -> None:
+    """Append ``{"rank": RANK, **fields}`` to ``OUT/report.rank<RANK>.jsonl`` (from inside a job's script)."""
+    rank = int(os.environ.get("RANK", "0"))
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"report.rank{rank}.jsonl"), "a") as f:
+        f.write(json.dumps({"rank": rank, **fields}) + "\n")
+
+
+@dataclasses.dataclass
+class Finished:
+    """A finished job: its command, exit code and output, and what its ranks reported during the run."""
+
+    cmd: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    out: str | None = None
+    _offsets: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        """Every object reported during this run, rank by rank, in order."""
+        rows: list[dict[str, Any]] = []
+        for path in _report_files(self.out):
+            with open(path) as f:
+                f.seek(self._offsets.get(path, 0))
+                rows += [json.loads(line) for line in f if line.strip()]
+        return rows
+
+    def where(self, **match: Any) -> list[dict[str, Any]]:
+        """The rows that have every key of ``match`` with that value."""
+        return [r for r in self.rows if all(k in r and r[k] == v for k, v in match.items())]
+
+    def explain(self) -> str:
+        return (f"{' '.join(self.cmd)}\nexit {self.returncode}\n--- stdout ---\n{self.stdout[-6000:]}\n"
+                f"--- stderr ---\n{self.stderr[-8000:]}")
+
+    def expect(self, returncode: int = 0) -> Finished:
+        """Assert the exit code (``-9``: the job SIGKILLed itself), with the output in the message."""
+        assert self.returncode == returncode, f"expected exit {returncode}:\n{self.explain()}"
+        return self
+
+
+def command(script: str, *args: Any, launcher: str = "python", nproc: int = 1, restarts: int = 0,
+            launcher_args: list[str] | None = None) -> list[str]:
+    """The command line of a job: ``python script``, or the script under ``torchrun`` or ``accelerate launch``
+    with ``nproc`` ranks and ``restarts`` launcher restarts, on a c10d rendezvous of its own.
+    ``launcher_args`` go to the launcher (``["--multi_gpu"]``, ``["--use_deepspeed", "--zero_stage", "2"]``)."""
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher={launcher!r}: expected one of {LAUNCHERS}")
+    tail = [*(launcher_args or []), script, *map(str, args)]
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--max-restarts",
+                str(restarts), "--monitor-interval", "0.2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                f"127.0.0.1:{free_port()}", *tail]
+    if launcher == "accelerate":
+        return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(nproc),
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--max_restarts",
+                str(restarts), "--rdzv_backend", "c10d", "--main_process_port", str(free_port()), *tail]
+    return [sys.executable, script, *map(str, args)]
+
+
+def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment without ``FT_CHECKPOINT_*`` settings, one thread per rank, unbuffered output and an
+    unshared rendezvous store (launcher restarts are reliable with it), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FT_CHECKPOINT_")}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    env.update(extra or {})
+    return env
+
+
+def run(script: str, *args: Any, out: Any = None, launcher: str = "python", nproc: int = 1, restarts: int = 0,
+        launcher_args: list[str] | None = None, env: dict[str, str] | None = None, timeout: float = 600,
+        new_session: bool = False) -> Finished:
+    """Run a job to its end (see :func:`command`, :func:`job_env`); ``out`` is where its ranks report.
+
+    ``new_session``: the job gets a process group of its own, so that a SIGKILL it sends to its group takes
+    all its ranks (and nothing of the test's).
+    """
+    out = None if out is None else str(out)
+    offsets = {path: os.path.getsize(path) for path in _report_files(out)}
+    cmd = command(script, *args, launcher=launcher, nproc=nproc, restarts=restarts, launcher_args=launcher_args)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=job_env(env),
+                          start_new_session=new_session)
+    return Finished(cmd, proc.returncode, proc.stdout, proc.stderr, out, offsets)
+
+
+def _report_files(out: str | None) -> list[str]:
+    return sorted(glob.glob(os.path.join(out, "report.rank*.jsonl"))) if out else []
