@@ -3,7 +3,8 @@ and read what its ranks reported.
 
 A script reports with :func:`report`: one JSON object per line in ``OUT/report.rank<R>.jsonl`` (``R`` from
 ``RANK``), appended, so that a rank restarted by its launcher adds to what it reported before. :func:`run`
-returns a :class:`Finished` job whose :attr:`~Finished.rows` are the objects reported during that run only.
+returns a :class:`Finished` job whose :attr:`~Finished.rows` are the objects reported during that run only;
+:func:`start` returns a running one, for tests that act on what it prints while it runs.
 
 Example:
     >>> import os, sys, tempfile
@@ -121,6 +122,16 @@ def run(script: str, *args: Any, out: Any = None, launcher: str = "python", npro
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=job_env(env),
                           start_new_session=new_session)
     return Finished(cmd, proc.returncode, proc.stdout, proc.stderr, out, offsets)
+
+
+def start(script: str, *args: Any, launcher: str = "python", nproc: int = 1, restarts: int = 0,
+          launcher_args: list[str] | None = None, env: dict[str, str] | None = None,
+          stderr: int | None = subprocess.DEVNULL) -> subprocess.Popen:
+    """Start a job (as :func:`run` does) and return it running, its stdout a text pipe: for tests that act
+    on what it prints while it runs (send a signal at a step, SIGKILL it inside a phase of a save).
+    ``stderr=subprocess.STDOUT`` merges its errors into that pipe."""
+    cmd = command(script, *args, launcher=launcher, nproc=nproc, restarts=restarts, launcher_args=launcher_args)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=job_env(env))
 
 
 def _report_files(out: str | None) -> list[str]:

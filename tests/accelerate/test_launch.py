@@ -28,7 +28,7 @@ def run_pair(tmp_path, *args: str) -> tuple[str, Attempt]:
     out = str(tmp_path / "out")
     run = launch(out, "--dirpath", str(tmp_path / "ckpt"), *ARGS, *args, *KILL, tmp_path=tmp_path)
     assert run.returncode == 0, run.explain()
-    assert "rank=1 SIGKILL" in run.stdout, run.explain()
+    assert run.where(event="killed", rank=1), run.explain()
     for rank in (0, 1):
         resumed = run.resumed_from(rank)
         assert resumed is not None and resumed > 0, f"rank {rank} did not resume after the restart\n{run.explain()}"

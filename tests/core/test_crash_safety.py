@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -14,6 +12,7 @@ import pytest
 from ft_checkpoint import CheckpointManager
 from ft_checkpoint.layout import list_steps
 from ft_checkpoint.storage import Storage
+from ft_checkpoint.testing import jobs
 from ft_checkpoint.tools.catalog import check_step
 from tests.helpers.crash_child import expected_state
 from tests.helpers.toy import assert_same
@@ -29,8 +28,7 @@ PLAN = [("random", 8), ("writing", 8), ("data_written", 8)]
 def run_until_killed(url: str, aim: str, rng: random.Random) -> list[str]:
     """Start the child, kill it with SIGKILL at the aimed moment, return what it printed."""
     pause = "data_written" if aim == "data_written" else None
-    proc = subprocess.Popen([sys.executable, CHILD, url] + ([pause] if pause else []),
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = jobs.start(CHILD, url, *([pause] if pause else []))
     lines = []
     try:
         deadline = time.monotonic() + 120

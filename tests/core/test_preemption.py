@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -23,7 +22,6 @@ from ft_checkpoint.testing import jobs
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers", "preempt_train.py")
-ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
 TIMEOUT = 300
 
 
@@ -35,8 +33,7 @@ def run(dirpath, out, *args, torchrun=False) -> jobs.Finished:
 
 def run_and_signal(dirpath, out, sig, after_step, *args):
     """Start the job, send ``sig`` once it printed ``STEP after_step``; returns (returncode, output)."""
-    proc = subprocess.Popen([sys.executable, SCRIPT, str(dirpath), str(out), *map(str, args)], env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = jobs.start(SCRIPT, dirpath, out, *args, env={"PYTHONWARNINGS": "ignore"}, stderr=subprocess.STDOUT)
     lines = []
     for line in proc.stdout:
         lines.append(line)
