@@ -87,6 +87,14 @@ class Server:
             self.proc.wait(timeout=10)
 
 
+IDLE_TIMEOUT = 20
+"""Seconds the GCS emulator keeps an idle connection open. It serves one connection at a time (a plain
+``http.server.HTTPServer``), so a client stopped while holding a keep-alive connection (SIGSTOP, as in the
+lease tests) would otherwise block every other client for good; closed, the client reconnects."""
+_GCS_MAIN = ("import sys; import gcp_storage_emulator.server as s; s.RequestHandler.timeout = {timeout}; "
+             "from gcp_storage_emulator.__main__ import main; sys.exit(main(sys.argv[1:]))")
+
+
 def start(kind: str, *, port: int | None = None, data_dir: str | None = None) -> Server:
     """Start a ``"gcs"`` or ``"s3"`` server and wait until it answers.
 
@@ -94,7 +102,8 @@ def start(kind: str, *, port: int | None = None, data_dir: str | None = None) ->
     """
     port = port or free_port()
     if kind == "gcs":
-        cmd = [_bin("gcp-storage-emulator"), "start", "--host", "127.0.0.1", "--port", str(port)]
+        cmd = [sys.executable, "-c", _GCS_MAIN.format(timeout=IDLE_TIMEOUT), "start", "--host", "127.0.0.1", "--port",
+               str(port)]
         cmd += [] if data_dir else ["--in-memory"]
     elif kind == "s3":
         cmd = [_bin("moto_server"), "-H", "127.0.0.1", "-p", str(port)]

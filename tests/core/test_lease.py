@@ -202,6 +202,32 @@ def test_a_hung_job_taken_over_stops_writing_when_it_wakes(kind, request, tmp_pa
             proc.wait()
 
 
+def test_a_takeover_right_after_a_gcs_heartbeat_is_not_overwritten_by_its_retry(request, tmp_path):
+    """On GCS a write is followed by a comparison with the store's CRC-32C of the object, retried on a
+    mismatch. For ``lease.json`` that comparison would see the new owner's object when a takeover lands
+    right after our heartbeat's write, and the retry would write the old owner's lease over it."""
+    from tests.conftest import _make_backend
+
+    backend = _make_backend("gcs", request, tmp_path)
+    old_storage, new_storage = (Storage(backend.url, backend.storage_options) for _ in range(2))
+    old = Lease(old_storage, attempt="old", refresh=3600)
+    old.acquire()
+    new = Lease(new_storage, attempt="new", timeout=0.0)
+    pipe_file = old_storage.fs.pipe_file
+
+    def heartbeat_then_takeover(path, data, **kwargs):  # the takeover lands between our write and any check
+        pipe_file(path, data, **kwargs)
+        if b'"old"' in data:
+            new.acquire()
+
+    old_storage.fs.pipe_file = heartbeat_then_takeover
+    old._refresh()  # read: still ours; write; the takeover; no retry over it
+    assert holder_of(new_storage)["attempt"] == "new", "the old owner's heartbeat retry overwrote the new owner"
+    old_storage.fs.pipe_file = pipe_file
+    assert not old._refresh() and old.lost, "the next heartbeat sees the takeover"
+    new.release()
+
+
 def test_s3_heartbeat_is_a_write_conditional_on_its_own_last_write(request, tmp_path):
     """On S3 the check and the write are one request: a takeover landing between them makes it fail."""
     from tests.conftest import _make_backend
