@@ -54,6 +54,15 @@ IO_SLICE = 16 << 20
 """Bytes per write or read call and CRC update: large enough to amortize the call, small enough to stay in cache."""
 DIRECT_ALIGN = 4096
 """Alignment of ``O_DIRECT`` writes (address, length, file offset): the page size, a multiple of any block size."""
+PART_SIZE = 64 << 20
+"""Object stores: bytes per request of a streamed upload (S3 multipart part, GCS resumable-upload chunk; a multiple
+of GCS's 256 KiB and of :data:`IO_SLICE`). gcsfs's default of 5 MiB sent every write as its own chunk, and the GCS
+emulator took 1.85x a plain put for a 400 MB file."""
+SINGLE_PUT_MAX = 100 << 20
+"""Object stores: a file up to this size is sent as one object in one request, from one joined copy of its buffers
+(what fsspec's own ``pipe_file`` does below twice s3fs's 50 MiB part size); a larger one is streamed in parts,
+holding one part in memory. A multipart upload of a small file costs the server a reassembly, and two to three
+times the requests."""
 GLOB_CHARACTERS = frozenset("*?[]")
 """Characters fsspec may expand as a pattern (``rm``, ``copy``, ``expand_path``): refused in a dirpath."""
 
@@ -340,7 +349,7 @@ class Storage:
         to :data:`DIRECT_ALIGN` in address, length and file offset)."""
         path = self.path(rel)
         if not self.is_local:
-            with self.fs.open(path, "wb") as f:
+            with self.fs.open(path, "wb", block_size=PART_SIZE) as f:
                 yield f
             return
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -365,6 +374,8 @@ class Storage:
 
     def _write_views_once(self, rel: str, views: list[memoryview], lengths: list[int] | None,
                           direct: bool) -> list[int]:
+        if not self.is_local and sum(len(v) for v in views) <= SINGLE_PUT_MAX:
+            return self._put_views(rel, views, lengths)
         crcs, whole, size = [], 0, 0
         with self.open_write(rel, direct=direct) as f:
             for i, view in enumerate(views):
@@ -379,6 +390,18 @@ class Storage:
                     whole, size = combine(whole, crc, n), size + n
         if not self.is_local and size == sum(len(v) for v in views):
             self._check_stored(rel, size, whole)
+        return crcs
+
+    def _put_views(self, rel: str, views: list[memoryview], lengths: list[int] | None) -> list[int]:
+        lengths = lengths or [len(v) for v in views]
+        crcs = [crc32c_of(v[:n]) for v, n in zip(views, lengths)]
+        data = b"".join(views)
+        self.fs.pipe_file(self.path(rel), data)
+        if lengths == [len(v) for v in views]:  # no padding: the object's CRC follows from the views'
+            whole = 0
+            for crc, n in zip(crcs, lengths):
+                whole = combine(whole, crc, n)
+            self._check_stored(rel, len(data), whole)
         return crcs
 
     def write_stream(self, rel: str, produce: Callable[[Any], None]) -> tuple[int, int]:

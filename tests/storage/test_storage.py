@@ -160,3 +160,29 @@ def test_gcs_stored_crc32c_is_compared_with_ours(request, tmp_path):
     s._check_stored("b.bin", 18, crc32c_of(b"what the store got"))
     with pytest.raises(StoredChecksumMismatch, match="corrupted on the way"):
         s._check_stored("b.bin", 13, crc32c_of(b"what was sent"))
+
+
+def test_s3_a_small_file_is_one_put_and_a_large_one_is_streamed_in_parts(request, tmp_path, monkeypatch):
+    """On S3 a file up to SINGLE_PUT_MAX goes as one object in one request (a multipart upload made the S3
+    server reassemble it: 1.9x a plain put); a larger one goes in parts of PART_SIZE, one part in memory at a
+    time. S3 tells them apart: a multipart object's ETag ends in ``-<parts>``. Both keep their bytes and
+    return the CRC of each buffer."""
+    from ft_checkpoint import storage as storage_module
+    from ft_checkpoint.checksum import crc32c_of
+    from tests.conftest import _make_backend
+
+    backend = _make_backend("s3", request, tmp_path)
+    s = Storage(backend.url, backend.storage_options, retries=1)
+    s.ensure_root()
+    pieces = [bytes([i]) * (3 << 20) + b"tail" for i in range(4)]  # 12 MB in 4 buffers
+    views = [memoryview(p) for p in pieces]
+
+    assert s.write_views("one.bin", views) == [crc32c_of(p) for p in pieces]
+    monkeypatch.setattr(storage_module, "SINGLE_PUT_MAX", 1 << 20)
+    monkeypatch.setattr(storage_module, "PART_SIZE", 5 << 20)  # S3's smallest part
+    assert s.write_views("parts.bin", views) == [crc32c_of(p) for p in pieces]
+
+    etag = {name: s.fs.info(s.path(name))["ETag"].strip('"') for name in ("one.bin", "parts.bin")}
+    assert "-" not in etag["one.bin"], etag
+    assert etag["parts.bin"].rsplit("-", 1)[1].isdigit(), etag
+    assert s.read_bytes("one.bin") == s.read_bytes("parts.bin") == b"".join(pieces)
