@@ -1,4 +1,4 @@
-"""What checkpointing costs a Lightning training: none, ModelCheckpoint, + AsyncCheckpointIO, and ours.
+"""What checkpointing costs a Lightning training: none, ModelCheckpoint, + AsyncCheckpointIO, ours, and the floor.
 
 The same training (a model whose fp32 weights plus Adam's two moments make about ``--mb`` MB; ``--steps``
 steps, a save every ``--every`` steps) runs once per method, each in a fresh process, and the table
@@ -6,7 +6,10 @@ shows the training time (``trainer.fit`` until every save is durable) and the ov
 checkpointing, side by side; also the process CPU time (all threads: what the background writes cost in
 compute, writer processes included) and how long the training waited per save (measured by the callback for ours; for Lightning
 the time spent in ModelCheckpoint's hook when it saved). On a shared machine wall-clock times swing
-with other load; the stall and CPU columns do much less.
+with other load; the stall and CPU columns do much less. ``floor`` is the least any background save can cost
+here: the state copied into reused buffers, then written and fsynced by a thread, nothing else
+(``floor_saver.RawSaver``); where it alone costs more than the target allows, the target is out of this
+machine's reach, and ours is compared with it too.
 
     python benchmarks/lightning_overhead.py                       # ~800 MB, 100 steps, save every 20
     python benchmarks/lightning_overhead.py --mb 100 --steps 40   # quick
@@ -25,7 +28,7 @@ import sys
 import tempfile
 import time
 
-METHODS = ["none", "ModelCheckpoint", "ModelCheckpoint+AsyncCheckpointIO", "FaultTolerantCheckpoint",
+METHODS = ["none", "ModelCheckpoint", "ModelCheckpoint+AsyncCheckpointIO", "floor", "FaultTolerantCheckpoint",
            "FaultTolerantCheckpoint writer=process", "FaultTolerantCheckpoint writer_priority=19"]
 
 
@@ -38,6 +41,11 @@ def run_method(method: str, mb: int, steps: int, every: int, directory: str) -> 
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_ft import FaultTolerantCheckpoint
+
+    try:
+        from floor_saver import RawSaver, state_tensors
+    except ImportError:  # run from the repository root as benchmarks/lightning_overhead.py
+        from benchmarks.floor_saver import RawSaver, state_tensors
 
     width, batch = 2048, 8
     layers = max(1, round(mb * 1e6 / 3 / 4 / (width * width)))
@@ -64,12 +72,30 @@ def run_method(method: str, mb: int, steps: int, every: int, directory: str) -> 
             if self._last_global_step_saved != saved:
                 self.stalls.append(time.perf_counter() - t0)
 
+    class Floor(pl.Callback):
+        """The floor of an async save (``floor_saver``), every ``every`` steps."""
+
+        def __init__(self) -> None:
+            self.saver = RawSaver(directory)
+            self.stalls = self.saver.stalls
+
+        def on_train_batch_end(self, trainer, module, *args):
+            if trainer.global_step % every == 0:
+                self.saver.save(trainer.global_step, state_tensors(module, trainer.optimizers[0]))
+
+        def on_train_end(self, trainer, module):
+            self.saver.wait()
+
     pl.seed_everything(0, verbose=False)
     data = DataLoader(TensorDataset(torch.randn((steps + 1) * batch, width)), batch_size=batch)  # no epoch end
     callbacks: list = []
     plugins: list = []
-    ft = mc = None
-    if method.startswith("ModelCheckpoint"):
+    ft = mc = floor = None
+    if method == "floor":
+        os.makedirs(directory, exist_ok=True)
+        floor = Floor()
+        callbacks.append(floor)
+    elif method.startswith("ModelCheckpoint"):
         mc = Timed(dirpath=directory, every_n_train_steps=every, save_top_k=-1)
         callbacks.append(mc)
         plugins = [AsyncCheckpointIO()] if "Async" in method else []
@@ -80,14 +106,14 @@ def run_method(method: str, mb: int, steps: int, every: int, directory: str) -> 
         ft = FaultTolerantCheckpoint(directory, interval=every, keep_last=2, **options)
         callbacks.append(ft)
     trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=bool(callbacks), callbacks=callbacks,
+                         enable_model_summary=False, enable_checkpointing=ft is not None or mc is not None, callbacks=callbacks,
                          plugins=plugins, num_sanity_val_steps=0)
     model = Model()
     state_mb = 3 * sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
     t0, c0 = time.perf_counter(), cpu_seconds()
     trainer.fit(model, data)  # returns once teardown drained every save (and ended any writer process)
     seconds, cpu = time.perf_counter() - t0, cpu_seconds() - c0
-    stalls = ft.stalls if ft is not None else (mc.stalls if mc is not None else [])
+    stalls = next((c.stalls for c in (ft, mc, floor) if c is not None), [])
     return {"method": method, "seconds": seconds, "cpu": cpu, "state_mb": state_mb, "saves": len(stalls),
             "stall": sum(stalls) / len(stalls) if stalls else 0.0, "threads": torch.get_num_threads()}
 
@@ -144,8 +170,14 @@ def main() -> None:
         print(f"{method:<44}{r['seconds']:>9.1f}{r['seconds'] - none:>12.1f}{r['cpu']:>8.1f}{r['cpu'] - none_cpu:>16.1f}"
               f"{r['saves']:>7}{r['stall']:>14.3f}{r['stall'] * r['saves']:>15.2f}")
     theirs = rows["ModelCheckpoint"]
-    for variant in [m for m in METHODS if m.startswith("FaultTolerantCheckpoint")]:
+    for variant in ["floor"] + [m for m in METHODS if m.startswith("FaultTolerantCheckpoint")]:
         compare(variant, rows[variant], theirs, none, none_cpu)
+    floor = rows["floor"]
+    print("\nagainst the floor (the bytes alone: copy, write, fsync):")
+    for variant in [m for m in METHODS if m.startswith("FaultTolerantCheckpoint")]:
+        ours = rows[variant]
+        print(f"  {variant:<44} overhead {ours['seconds'] - none:+.1f} s vs {floor['seconds'] - none:+.1f} s, "
+              f"CPU {ours['cpu'] - none_cpu:+.1f} s vs {floor['cpu'] - none_cpu:+.1f} s")
     print("Wall-clock figures need a quiet machine; on a shared one, compare the stall and CPU columns.")
 
 

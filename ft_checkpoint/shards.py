@@ -341,7 +341,10 @@ class ShardReader(StorageReader):
                 raise CheckpointCorruptError(f"{item.storage_index.fqn}: only tensors are read from shard files")
             per_file.setdefault(self._chunk(item).file, []).append(item)
         jobs = [(f"{self.rel}/{name}", items) for name, items in sorted(per_file.items())]
-        read = lambda job: self.storage.call("read", job[0], self._read_file, job[0], job[1], planner)  # noqa: E731
+
+        def read(job: tuple[str, list[ReadItem]]) -> None:
+            self.storage.call("read", job[0], self._read_file, job[0], job[1], planner)
+
         if len(jobs) <= 1:
             list(map(read, jobs))
         else:  # the files a save wrote in parallel are read in parallel (each range's CRC overlaps another's read)
