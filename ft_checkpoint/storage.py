@@ -295,8 +295,9 @@ class Storage:
         with ``atomic=False`` in place (one fsync): for a file inside a step, which no reader sees before the
         step's manifest (written atomically, after it) makes the step and its directory entries durable.
         ``check_stored=False``: skip the comparison with the store's CRC-32C (see :meth:`_check_stored`), for
-        an object another writer may replace right after ours (``lease.json``): the comparison would see
-        theirs, and its retry would write ours over it."""
+        an object another writer may replace right after ours (``lease.json``): where the upload's response
+        carries no CRC, the comparison reads the object's metadata, which may then be theirs, and its retry
+        would write ours over it."""
         if not self.is_local:
             self._call("write", rel, self._put, rel, data, check_stored)
         elif atomic:
@@ -305,19 +306,23 @@ class Storage:
             self.write_views(rel, [memoryview(data)])
 
     def _put(self, rel: str, data: bytes, check_stored: bool = True) -> None:
-        self.fs.pipe_file(self.path(rel), data)
+        response = self.fs.pipe_file(self.path(rel), data)
         if check_stored:
-            self._check_stored(rel, len(data), crc32c_of(data))
+            self._check_stored(rel, len(data), crc32c_of(data), response)
 
-    def _check_stored(self, rel: str, size: int, crc: int) -> None:
+    def _check_stored(self, rel: str, size: int, crc: int, response: Any = None) -> None:
         """Where the store keeps its own CRC-32C of an object (GCS), compare it with ours: end-to-end integrity of
         what was stored, without reading it back. A mismatch is retried as a transient error (the whole object
-        is written again)."""
+        is written again). The CRC comes from the upload's own ``response`` where it carries one (gcsfs returns
+        the object's resource for a one-request upload: no extra request, and no other writer's object seen
+        in between); otherwise from the object's metadata."""
         if not self._stores_crc32c:
             return
-        path = self.path(rel)
-        self.fs.invalidate_cache(path)
-        stored = self.fs.info(path).get("crc32c")
+        stored = response.get("crc32c") if isinstance(response, dict) else None
+        if stored is None:
+            path = self.path(rel)
+            self.fs.invalidate_cache(path)
+            stored = self.fs.info(path).get("crc32c")
         if stored is None:
             return
         ours = base64.b64encode(struct.pack(">I", crc)).decode()
@@ -396,12 +401,12 @@ class Storage:
         lengths = lengths or [len(v) for v in views]
         crcs = [crc32c_of(v[:n]) for v, n in zip(views, lengths)]
         data = b"".join(views)
-        self.fs.pipe_file(self.path(rel), data)
+        response = self.fs.pipe_file(self.path(rel), data)
         if lengths == [len(v) for v in views]:  # no padding: the object's CRC follows from the views'
             whole = 0
             for crc, n in zip(crcs, lengths):
                 whole = combine(whole, crc, n)
-            self._check_stored(rel, len(data), whole)
+            self._check_stored(rel, len(data), whole, response)
         return crcs
 
     def write_stream(self, rel: str, produce: Callable[[Any], None]) -> tuple[int, int]:

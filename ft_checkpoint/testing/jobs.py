@@ -84,9 +84,18 @@ def command(script: str, *args: Any, launcher: str = "python", nproc: int = 1, r
             launcher_args: list[str] | None = None) -> list[str]:
     """The command line of a job: ``python script``, or the script under ``torchrun`` or ``accelerate launch``
     with ``nproc`` ranks and ``restarts`` launcher restarts, on a c10d rendezvous of its own.
-    ``launcher_args`` go to the launcher (``["--multi_gpu"]``, ``["--use_deepspeed", "--zero_stage", "2"]``)."""
+    ``launcher_args`` go to the launcher (``["--multi_gpu"]``, ``["--use_deepspeed", "--zero_stage", "2"]``), or
+    to the interpreter for ``launcher="python"`` (``["-X", "faulthandler"]``), which runs one rank.
+
+    Example:
+        >>> command("train.py", 3, launcher_args=["-X", "faulthandler"])[1:]
+        ['-X', 'faulthandler', 'train.py', '3']
+    """
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher={launcher!r}: expected one of {LAUNCHERS}")
+    if launcher == "python" and (nproc != 1 or restarts):
+        raise ValueError(f"launcher='python' runs one process without restarts (nproc={nproc}, restarts={restarts}): "
+                         "use launcher='torchrun' or 'accelerate'")
     tail = [*(launcher_args or []), script, *map(str, args)]
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--max-restarts",
@@ -96,7 +105,7 @@ def command(script: str, *args: Any, launcher: str = "python", nproc: int = 1, r
         return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(nproc),
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--max_restarts",
                 str(restarts), "--rdzv_backend", "c10d", "--main_process_port", str(free_port()), *tail]
-    return [sys.executable, script, *map(str, args)]
+    return [sys.executable, *tail]
 
 
 def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -162,6 +162,28 @@ def test_gcs_stored_crc32c_is_compared_with_ours(request, tmp_path):
         s._check_stored("b.bin", 13, crc32c_of(b"what was sent"))
 
 
+def test_gcs_a_write_compares_the_crc_of_its_own_upload_not_of_a_later_writers_object(request, tmp_path, monkeypatch):
+    """The CRC-32C compared is the one GCS returned for our own upload: another writer's object landing right
+    after it (a lease taken over) is neither called corrupt nor overwritten by a retry. Comparing with the
+    object's metadata read afterwards did both."""
+    from tests.conftest import _make_backend
+
+    backend = _make_backend("gcs", request, tmp_path)
+    s = Storage(backend.url, backend.storage_options, retries=1)
+    s.ensure_root()
+    upload = s.fs.pipe_file
+
+    def then_another_writer(path, data, **kwargs):
+        response = upload(path, data, **kwargs)
+        upload(path, b"the other writer's object")  # lands between our upload and our comparison
+        return response
+
+    monkeypatch.setattr(s.fs, "pipe_file", then_another_writer)
+    s.write_bytes("shared.json", b"ours")  # compared with our upload's CRC: equal, no retry
+    monkeypatch.undo()
+    assert s.read_bytes("shared.json") == b"the other writer's object"
+
+
 def test_s3_a_small_file_is_one_put_and_a_large_one_is_streamed_in_parts(request, tmp_path, monkeypatch):
     """On S3 a file up to SINGLE_PUT_MAX goes as one object in one request (a multipart upload made the S3
     server reassemble it: 1.9x a plain put); a larger one goes in parts of PART_SIZE, one part in memory at a
