@@ -30,8 +30,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 from accelerate import Accelerator
-from floor_saver import RawSaver, state_tensors
-from save_stall import fsync_tree, make_state, state_bytes  # this folder: the same state as the core benchmark
+from floor_saver import RawSaver
+from save_stall import fsync_tree, make_state, state_bytes, tensors_of  # this folder: the same state as the core benchmark
 
 from accelerate_ft import FaultTolerantCheckpoint
 
@@ -95,7 +95,7 @@ def run_floor(acc, model, opt, loader, args, base) -> Run:
 
     def on_step(step: int) -> None:
         if step % args.every == 0:
-            saver.save(step, state_tensors(acc.unwrap_model(model), opt.optimizer))
+            saver.save(step, tensors_of(acc.unwrap_model(model), opt.optimizer))
 
     run.train(acc, model, opt, iter(loader), on_step)
     t0 = time.perf_counter()

@@ -93,8 +93,3 @@ def _aligned(size: int, pinned: bool) -> tuple[torch.Tensor, object]:
     memory = mmap.mmap(-1, padded)
     return torch.frombuffer(memory, dtype=torch.uint8), memory
 
-
-def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The tensors a checkpoint of ``model`` and ``optimizer`` holds: weights, buffers, optimizer state."""
-    tensors = list(model.state_dict().values())
-    return tensors + [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]

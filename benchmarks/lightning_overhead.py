@@ -43,9 +43,11 @@ def run_method(method: str, mb: int, steps: int, every: int, directory: str) -> 
     from lightning_ft import FaultTolerantCheckpoint
 
     try:
-        from floor_saver import RawSaver, state_tensors
+        from floor_saver import RawSaver
+        from save_stall import tensors_of
     except ImportError:  # run from the repository root as benchmarks/lightning_overhead.py
-        from benchmarks.floor_saver import RawSaver, state_tensors
+        from benchmarks.floor_saver import RawSaver
+        from benchmarks.save_stall import tensors_of
 
     width, batch = 2048, 8
     layers = max(1, round(mb * 1e6 / 3 / 4 / (width * width)))
@@ -81,7 +83,7 @@ def run_method(method: str, mb: int, steps: int, every: int, directory: str) -> 
 
         def on_train_batch_end(self, trainer, module, *args):
             if trainer.global_step % every == 0:
-                self.saver.save(trainer.global_step, state_tensors(module, trainer.optimizers[0]))
+                self.saver.save(trainer.global_step, tensors_of(module, trainer.optimizers[0]))
 
         def on_train_end(self, trainer, module):
             self.saver.wait()
