@@ -67,20 +67,27 @@ class RawSaver:
 
     @staticmethod
     def _write(path: str, buffer: torch.Tensor) -> None:
-        view = memoryview(buffer.numpy())
-        direct = buffer.data_ptr() % ALIGN == 0 and len(view) % ALIGN == 0
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o644)
-        except OSError:  # no O_DIRECT here (tmpfs)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
+        direct = buffer.data_ptr() % ALIGN == 0 and buffer.numel() % ALIGN == 0
+        write_durably(path, [memoryview(buffer.numpy())], direct=direct)
+
+
+def write_durably(path: str, views: list[memoryview], *, direct: bool) -> None:
+    """Write ``views`` into the file ``path`` in ``IO_SLICE`` calls and fsync it; with ``direct``, with
+    ``O_DIRECT`` where the filesystem allows it (the views then page-aligned, a whole number of pages)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    try:
+        fd = os.open(path, flags | (os.O_DIRECT if direct else 0), 0o644)
+    except OSError:  # no O_DIRECT here (tmpfs)
+        fd = os.open(path, flags, 0o644)
+    try:
+        for view in views:
             for start in range(0, len(view), IO_SLICE):
                 piece = view[start:start + IO_SLICE]
                 while piece:
                     piece = piece[os.write(fd, piece):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _aligned(size: int, pinned: bool) -> tuple[torch.Tensor, object]:

@@ -33,6 +33,11 @@ import torch.distributed.checkpoint as dcp
 
 from ft_checkpoint import CheckpointManager
 
+try:
+    from floor_saver import write_durably
+except ImportError:  # imported as benchmarks.save_stall (from the repository root)
+    from benchmarks.floor_saver import write_durably
+
 
 def make_state(mb: int, device: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A model of ``mb / 3`` MB of fp32 weights plus Adam's two moments: ``mb`` MB in all."""
@@ -47,9 +52,7 @@ def make_state(mb: int, device: str) -> tuple[torch.nn.Module, torch.optim.Optim
 
 
 def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
-    tensors = list(model.state_dict().values())
-    tensors += [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.element_size() for t in tensors_of(model, opt))
 
 
 def copy_floor(model: torch.nn.Module, opt: torch.optim.Optimizer, repeats: int) -> float:
@@ -57,8 +60,7 @@ def copy_floor(model: torch.nn.Module, opt: torch.optim.Optimizer, repeats: int)
 
     The best of ``repeats`` rounds of two ways to copy: tensor ``copy_`` and raw storage ``copy_``.
     """
-    tensors = list(model.state_dict().values())
-    tensors += [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    tensors = tensors_of(model, opt)
     cuda = tensors[0].is_cuda
     dst = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in tensors]
     ways = [lambda d, t: d.copy_(t, non_blocking=cuda),
@@ -75,6 +77,7 @@ def copy_floor(model: torch.nn.Module, opt: torch.optim.Optimizer, repeats: int)
 
 
 def tensors_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor of the state: the model's, then the optimizer's."""
     tensors = list(model.state_dict().values())
     return tensors + [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
 
@@ -93,17 +96,7 @@ def bench_raw_write(model, opt, d: str, i: int, direct: bool = False) -> tuple[f
     else:
         views = [byte_view(t.detach().cpu().contiguous()) for t in tensors]
     t0 = time.perf_counter()
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
-    fd = os.open(os.path.join(d, f"raw_{i}.bin"), flags, 0o644)
-    try:
-        for view in views:
-            for start in range(0, len(view), 16 << 20):
-                piece = view[start:start + (16 << 20)]
-                while piece:
-                    piece = piece[os.write(fd, piece):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_durably(os.path.join(d, f"raw_{i}.bin"), views, direct=direct)
     t = time.perf_counter() - t0
     return t, t
 

@@ -115,3 +115,16 @@ def _x8nmodp(n: int) -> int:
 def combine(crc1: int, crc2: int, len2: int) -> int:
     """The CRC-32C of ``A + B`` from ``crc(A)``, ``crc(B)`` and ``len(B)`` (zlib's ``crc32_combine``)."""
     return _multmodp(_x8nmodp(len2), crc1) ^ crc2
+
+
+def combine_all(crcs: list[int], lengths: list[int]) -> int:
+    """The CRC-32C of buffers laid end to end, from each one's CRC-32C and length.
+
+    Example:
+        >>> combine_all([crc32c_of(b"ab"), crc32c_of(b"c")], [2, 1]) == crc32c_of(b"abc")
+        True
+    """
+    whole = 0
+    for crc, n in zip(crcs, lengths):
+        whole = combine(whole, crc, n)
+    return whole

@@ -108,9 +108,14 @@ def command(script: str, *args: Any, launcher: str = "python", nproc: int = 1, r
 
 def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This environment without ``FT_CHECKPOINT_*`` settings, one thread per rank, unbuffered output and an
-    unshared rendezvous store (launcher restarts are reliable with it), plus ``extra``."""
+    unshared rendezvous store (launcher restarts are reliable with it) on a free port, plus ``extra``.
+
+    The port: ``accelerate launch`` on one machine passes no rendezvous endpoint to torchrun, whose c10d
+    rendezvous then listens on port 29400, so that two jobs running at once (tests on several workers) join
+    each other's rendezvous; torchrun reads its default endpoint from ``PET_RDZV_ENDPOINT``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FT_CHECKPOINT_")}
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                "PET_RDZV_ENDPOINT": f"127.0.0.1:{free_port()}"})
     env.update(extra or {})
     return env
 

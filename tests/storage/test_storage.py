@@ -184,6 +184,25 @@ def test_gcs_a_write_compares_the_crc_of_its_own_upload_not_of_a_later_writers_o
     assert s.read_bytes("shared.json") == b"the other writer's object"
 
 
+def test_gcs_a_small_file_is_joined_in_a_buffer_that_the_next_save_reuses(request, tmp_path):
+    """On GCS a file up to SINGLE_PUT_MAX is joined into a pooled buffer instead of fresh memory on every save:
+    the next file of the same size reuses it, and each object keeps its own bytes (the buffer is not reused
+    while an upload reads it), through gcsfs's one-request upload and its resumable one (over 50 MiB)."""
+    from ft_checkpoint.checksum import crc32c_of
+    from tests.conftest import _make_backend
+
+    backend = _make_backend("gcs", request, tmp_path)
+    s = Storage(backend.url, backend.storage_options, retries=1)
+    s.ensure_root()
+    for size in (3 << 20, 51 << 20):
+        first, second = [b"\1" * size, b"first"], [b"\2" * size, b"other"]
+        assert s.write_views(f"a{size}", [memoryview(p) for p in first]) == [crc32c_of(p) for p in first]
+        reused = s._buffers.reused
+        assert s.write_views(f"b{size}", [memoryview(p) for p in second]) == [crc32c_of(p) for p in second]
+        assert s._buffers.reused == reused + 1
+        assert s.read_bytes(f"a{size}") == b"".join(first) and s.read_bytes(f"b{size}") == b"".join(second)
+
+
 def test_s3_a_small_file_is_one_put_and_a_large_one_is_streamed_in_parts(request, tmp_path, monkeypatch):
     """On S3 a file up to SINGLE_PUT_MAX goes as one object in one request (a multipart upload made the S3
     server reassemble it: 1.9x a plain put); a larger one goes in parts of PART_SIZE, one part in memory at a
