@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import crc32c as _crc32c
@@ -128,3 +128,26 @@ def combine_all(crcs: list[int], lengths: list[int]) -> int:
     for crc, n in zip(crcs, lengths):
         whole = combine(whole, crc, n)
     return whole
+
+
+def crcs_while_writing(views: list[memoryview], lengths: list[int], write: Callable[[memoryview], Any],
+                       piece: int) -> list[int]:
+    """Pass each view to ``write`` in pieces of ``piece`` bytes, and return each view's CRC-32C of its first
+    ``lengths[i]`` bytes (the rest is padding), computed over the same pieces: one pass, no read-back.
+
+    Example:
+        >>> out = bytearray()
+        >>> crcs_while_writing([memoryview(b"abc"), memoryview(b"de")], [3, 1], out.extend, 2) == [
+        ...     crc32c_of(b"abc"), crc32c_of(b"d")], bytes(out)
+        (True, b'abcde')
+    """
+    crcs = []
+    for view, n in zip(views, lengths):
+        crc = 0
+        for start in range(0, len(view), piece):
+            chunk = view[start:start + piece]
+            write(chunk)
+            if start < n:
+                crc = crc32c_of(chunk[:n - start], crc)
+        crcs.append(crc)
+    return crcs

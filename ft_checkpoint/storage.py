@@ -40,7 +40,7 @@ import tenacity
 from fsspec.core import url_to_fs
 
 from ft_checkpoint.buffer_pool import BufferPool
-from ft_checkpoint.checksum import combine_all, crc32c_of
+from ft_checkpoint.checksum import combine_all, crc32c_of, crcs_while_writing
 from ft_checkpoint.errors import (
     ConfigError,
     FTCheckpointError,
@@ -384,16 +384,9 @@ class Storage:
                           direct: bool) -> list[int]:
         if not self.is_local and sum(len(v) for v in views) <= SINGLE_PUT_MAX:
             return self._put_views(rel, views, lengths)
-        crcs = []
         with self.open_write(rel, direct=direct) as f:
-            for i, view in enumerate(views):
-                crc, n = 0, len(view) if lengths is None else lengths[i]
-                for start in range(0, len(view), IO_SLICE):
-                    piece = view[start:start + IO_SLICE]
-                    _write_all(f, piece)
-                    if start < n:
-                        crc = crc32c_of(piece[:n - start], crc)
-                crcs.append(crc)
+            crcs = crcs_while_writing(views, lengths or [len(v) for v in views], lambda piece: _write_all(f, piece),
+                                      IO_SLICE)
         self._check_unpadded(rel, views, lengths, crcs)
         return crcs
 
