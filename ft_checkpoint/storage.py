@@ -38,6 +38,7 @@ from typing import Any, NamedTuple, TypeVar
 import fsspec
 import tenacity
 from fsspec.core import url_to_fs
+from fsspec.implementations.memory import MemoryFileSystem
 
 from ft_checkpoint.buffer_pool import BufferPool
 from ft_checkpoint.checksum import combine_all, crc32c_of, crcs_while_writing
@@ -48,6 +49,7 @@ from ft_checkpoint.errors import (
     StorageNotFoundError,
     StoragePermissionError,
 )
+from ft_checkpoint.memory_fs import LockedMemoryFileSystem
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -128,7 +130,7 @@ def make_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> 
             "some stores (a delete in 'runs/sweep[1]' would also match 'runs/sweep1'). HINT: use a name without them, "
             "e.g. 'runs/sweep-1'")
     try:
-        return url_to_fs(os.path.expanduser(url), **{**(storage_options or {}), "skip_instance_cache": True})
+        fs, root = url_to_fs(os.path.expanduser(url), **{**(storage_options or {}), "skip_instance_cache": True})
     except ImportError as e:
         proto = url.split("://", 1)[0]
         extra = _EXTRAS.get(proto, "all")
@@ -142,6 +144,9 @@ def make_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> 
             "HINT: use a local path or a URL of an installed fsspec protocol (file://, memory://, gs://, s3://), "
             "and only options that filesystem accepts"
         ) from e
+    if type(fs) is MemoryFileSystem:  # one dict for all threads: see memory_fs
+        fs = LockedMemoryFileSystem(**{**(storage_options or {}), "skip_instance_cache": True})
+    return fs, root
 
 
 class StoredChecksumMismatch(ConnectionError):

@@ -227,3 +227,32 @@ def test_s3_a_small_file_is_one_put_and_a_large_one_is_streamed_in_parts(request
     assert "-" not in etag["one.bin"], etag
     assert etag["parts.bin"].rsplit("-", 1)[1].isdigit(), etag
     assert s.read_bytes("one.bin") == s.read_bytes("parts.bin") == b"".join(pieces)
+
+
+def test_memory_store_lists_a_directory_while_other_threads_write_and_delete_in_it():
+    """fsspec's memory filesystem is one dict shared by every thread; our engine lists a step directory while
+    retention deletes and writer threads create files (seen in CI: 'dictionary changed size during iteration')."""
+    import threading
+    import uuid
+
+    s = Storage(f"memory://listing-race-{uuid.uuid4().hex}")
+    s.write_bytes("step_8/keep", b"x")
+    stop = threading.Event()
+
+    def churn():
+        i = 0
+        while not stop.is_set():
+            s.write_bytes(f"step_8/f{i % 50}", b"y" * 64, atomic=False)
+            s.delete_file(f"step_8/f{(i + 25) % 50}")
+            i += 1
+
+    workers = [threading.Thread(target=churn) for _ in range(3)]
+    for w in workers:
+        w.start()
+    try:
+        for _ in range(3000):
+            assert s.entries("step_8")["keep"].kind == "file"
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()

@@ -1,0 +1,48 @@
+"""fsspec's ``memory://`` filesystem, made safe for several threads.
+
+fsspec keeps every ``memory://`` file in one dict shared by all instances, and its ``ls`` walks that dict
+while a file's size is looked up by name: a file deleted or created by another thread in between fails the
+listing (``KeyError``, or ``dictionary changed size during iteration``). Our engine lists a step directory
+while its retention thread deletes old steps and its writer threads create files, so every method that
+reads or changes the dict runs here under one lock (the dict is process-wide, so the lock is too).
+The files are the same dict as plain ``memory://``: a test that looks with ``fsspec.filesystem("memory")``
+sees them.
+
+Example:
+    >>> fs = LockedMemoryFileSystem(skip_instance_cache=True)
+    >>> fs.pipe_file("/doc/locked/a", b"1"); fs.ls("/doc/locked", detail=False)
+    ['/doc/locked/a']
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from fsspec.implementations.memory import MemoryFileSystem
+
+__all__ = ["LockedMemoryFileSystem"]
+
+_LOCK = threading.RLock()
+
+# Every method of MemoryFileSystem that reads or changes its store (``_open`` commits a written file).
+_STORE_METHODS = ("ls", "find", "info", "exists", "isfile", "mkdir", "makedirs", "rmdir", "pipe_file",
+                  "cat_file", "cp_file", "_rm", "rm", "modified", "created", "_open")
+
+
+def _locked(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with _LOCK:
+            return method(*args, **kwargs)
+    return run
+
+
+class LockedMemoryFileSystem(MemoryFileSystem):
+    """``memory://`` with every access to the shared store under one process-wide lock."""
+
+
+for _name in _STORE_METHODS:
+    setattr(LockedMemoryFileSystem, _name, _locked(getattr(MemoryFileSystem, _name)))
