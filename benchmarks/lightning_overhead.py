@@ -13,6 +13,7 @@ machine's reach, and ours is compared with it too.
 
     python benchmarks/lightning_overhead.py                       # ~800 MB, 100 steps, save every 20
     python benchmarks/lightning_overhead.py --mb 100 --steps 40   # quick
+    python benchmarks/lightning_overhead.py --repeats 4 --methods "FaultTolerantCheckpoint,FaultTolerantCheckpoint writer=process"
 
 Target: our overhead at most 0.1x ModelCheckpoint's.
 """
@@ -145,17 +146,22 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=20, help="save every N steps")
     ap.add_argument("--repeats", type=int, default=1, help="runs per method, interleaved; the table shows minimums")
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir on local disk)")
+    ap.add_argument("--methods", type=lambda s: s.split(","), default=METHODS, metavar="A,B",
+                    help="which methods to run, comma-separated (none, ModelCheckpoint and floor always run)")
     ap.add_argument("--method", choices=METHODS, help=argparse.SUPPRESS)  # one run, in a child process
     args = ap.parse_args()
+    methods = [m for m in METHODS if m in {"none", "ModelCheckpoint", "floor", *args.methods}]
+    if unknown := set(args.methods) - set(METHODS):
+        ap.error(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
     if args.method:
         print(json.dumps(run_method(args.method, args.mb, args.steps, args.every, args.dir)))
         return
 
     base = tempfile.mkdtemp(prefix="ft_lightning_bench_", dir=args.dir)
-    runs: dict[str, list[dict]] = {m: [] for m in METHODS}
+    runs: dict[str, list[dict]] = {m: [] for m in methods}
     try:
         for _ in range(args.repeats):
-            for method in METHODS:  # interleaved, so a slow spell of a shared machine hits every method
+            for method in methods:  # interleaved, so a slow spell of a shared machine hits every method
                 runs[method].append(run_child(method, args, os.path.join(base, method)))
                 print(f"  {method}: {runs[method][-1]['seconds']:.1f} s", file=sys.stderr, flush=True)
     finally:
@@ -172,11 +178,12 @@ def main() -> None:
         print(f"{method:<44}{r['seconds']:>9.1f}{r['seconds'] - none:>12.1f}{r['cpu']:>8.1f}{r['cpu'] - none_cpu:>16.1f}"
               f"{r['saves']:>7}{r['stall']:>14.3f}{r['stall'] * r['saves']:>15.2f}")
     theirs = rows["ModelCheckpoint"]
-    for variant in ["floor"] + [m for m in METHODS if m.startswith("FaultTolerantCheckpoint")]:
+    ours_methods = [m for m in methods if m.startswith("FaultTolerantCheckpoint")]
+    for variant in ["floor", *ours_methods]:
         compare(variant, rows[variant], theirs, none, none_cpu)
     floor = rows["floor"]
     print("\nagainst the floor (the bytes alone: copy, write, fsync):")
-    for variant in [m for m in METHODS if m.startswith("FaultTolerantCheckpoint")]:
+    for variant in ours_methods:
         ours = rows[variant]
         print(f"  {variant:<44} overhead {ours['seconds'] - none:+.1f} s vs {floor['seconds'] - none:+.1f} s, "
               f"CPU {ours['cpu'] - none_cpu:+.1f} s vs {floor['cpu'] - none_cpu:+.1f} s")
