@@ -398,11 +398,12 @@ class Storage:
     def _put_views(self, rel: str, views: list[memoryview], lengths: list[int] | None) -> list[int]:
         """One object from the views: joined in a reused buffer for GCS (gcsfs sends a ``bytearray`` as it is),
         into ``bytes`` elsewhere (s3fs took 0.35 s longer to put 200 MB from a ``bytearray``, measured here)."""
+        used = lengths or [len(v) for v in views]
         if self._stores_crc32c:
-            with self._buffers.joined(views, lengths or [len(v) for v in views]) as (data, crcs):
+            with self._buffers.joined(views, used) as (data, crcs):
                 response = self.fs.pipe_file(self.path(rel), data)
         else:
-            crcs = [crc32c_of(v[:n]) for v, n in zip(views, lengths or [len(v) for v in views])]
+            crcs = [crc32c_of(v[:n]) for v, n in zip(views, used)]
             response = self.fs.pipe_file(self.path(rel), b"".join(views))
         self._check_unpadded(rel, views, lengths, crcs, response)
         return crcs
