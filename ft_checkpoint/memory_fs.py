@@ -21,15 +21,15 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from fsspec.implementations.memory import MemoryFileSystem
+from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 
-__all__ = ["LockedMemoryFileSystem"]
+__all__ = ["LockedMemoryFile", "LockedMemoryFileSystem"]
 
 _LOCK = threading.RLock()
 
-# Every method of MemoryFileSystem that reads or changes its store (``_open`` commits a written file).
+# Every method of MemoryFileSystem that reads or changes its store (and ``_open``, below).
 _STORE_METHODS = ("ls", "find", "info", "exists", "isfile", "mkdir", "makedirs", "rmdir", "pipe_file",
-                  "cat_file", "cp_file", "_rm", "rm", "modified", "created", "_open")
+                  "cat_file", "cp_file", "_rm", "rm", "modified", "created")
 
 
 def _locked(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -40,9 +40,23 @@ def _locked(method: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+class LockedMemoryFile(MemoryFile):
+    """A file of the store whose writes take the lock too: a listing reads every file's size, and a
+    ``BytesIO`` refuses to grow while its size is being read through a buffer."""
+
+
 class LockedMemoryFileSystem(MemoryFileSystem):
     """``memory://`` with every access to the shared store under one process-wide lock."""
+
+    def _open(self, path: str, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
+        with _LOCK:  # opening for writing puts the file in the store
+            f = super()._open(path, mode, *args, **kwargs)
+            if type(f) is MemoryFile:
+                f.__class__ = LockedMemoryFile
+            return f
 
 
 for _name in _STORE_METHODS:
     setattr(LockedMemoryFileSystem, _name, _locked(getattr(MemoryFileSystem, _name)))
+for _name in ("write", "writelines", "truncate"):
+    setattr(LockedMemoryFile, _name, _locked(getattr(MemoryFile, _name)))

@@ -246,7 +246,11 @@ def test_memory_store_lists_a_directory_while_other_threads_write_and_delete_in_
             s.delete_file(f"step_8/f{(i + 25) % 50}")
             i += 1
 
-    workers = [threading.Thread(target=churn) for _ in range(3)]
+    def stream():  # a file growing write by write while it is listed (its size read as it grows)
+        while not stop.is_set():
+            s.write_stream("step_8/streamed", lambda f: [f.write(b"z" * 100) for _ in range(200)])
+
+    workers = [threading.Thread(target=churn) for _ in range(3)] + [threading.Thread(target=stream)]
     for w in workers:
         w.start()
     try:
