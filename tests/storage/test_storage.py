@@ -232,12 +232,14 @@ def test_s3_a_small_file_is_one_put_and_a_large_one_is_streamed_in_parts(request
 def test_memory_store_lists_a_directory_while_other_threads_write_and_delete_in_it():
     """fsspec's memory filesystem is one dict shared by every thread; our engine lists a step directory while
     retention deletes and writer threads create files (seen in CI: 'dictionary changed size during iteration')."""
+    import sys
     import threading
     import uuid
 
     s = Storage(f"memory://listing-race-{uuid.uuid4().hex}")
     s.write_bytes("step_8/keep", b"x")
     stop = threading.Event()
+    errors: list[Exception] = []
 
     def churn():
         i = 0
@@ -248,9 +250,15 @@ def test_memory_store_lists_a_directory_while_other_threads_write_and_delete_in_
 
     def stream():  # a file growing write by write while it is listed (its size read as it grows)
         while not stop.is_set():
-            s.write_stream("step_8/streamed", lambda f: [f.write(b"z" * 100) for _ in range(200)])
+            try:
+                s.write_stream("step_8/streamed", lambda f: [f.write(b"z" * 10) for _ in range(2000)])
+            except StorageError as e:  # BufferError: a BytesIO cannot grow while a listing reads its size
+                errors.append(e)
+                stop.set()
 
     workers = [threading.Thread(target=churn) for _ in range(3)] + [threading.Thread(target=stream)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch often: a race that needs an unlucky switch shows at once
     for w in workers:
         w.start()
     try:
@@ -260,3 +268,5 @@ def test_memory_store_lists_a_directory_while_other_threads_write_and_delete_in_
         stop.set()
         for w in workers:
             w.join()
+        sys.setswitchinterval(interval)
+    assert not errors, errors[0]
