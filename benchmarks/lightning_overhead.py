@@ -150,9 +150,9 @@ def main() -> None:
                     help="which methods to run, comma-separated (none, ModelCheckpoint and floor always run)")
     ap.add_argument("--method", choices=METHODS, help=argparse.SUPPRESS)  # one run, in a child process
     args = ap.parse_args()
-    methods = [m for m in METHODS if m in {"none", "ModelCheckpoint", "floor", *args.methods}]
     if unknown := set(args.methods) - set(METHODS):
         ap.error(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
+    methods = [m for m in METHODS if m in {"none", "ModelCheckpoint", "floor", *args.methods}]
     if args.method:
         print(json.dumps(run_method(args.method, args.mb, args.steps, args.every, args.dir)))
         return
