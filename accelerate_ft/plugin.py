@@ -26,10 +26,12 @@ from typing import Any
 from ft_checkpoint import CheckpointConfig
 
 # One field per core setting, each defaulting to None ("not given"): generated, so the plugin always
-# offers exactly the settings of ``CheckpointConfig`` (documented there) and never drifts from it.
+# offers exactly the settings of ``CheckpointConfig`` (documented there) and never drifts from it; a field the
+# core keeps out of its repr (``signing_key``) stays out of the plugin's.
 _Settings = dataclasses.make_dataclass(
     "_Settings", [(f.name, f.type if str(f.type).endswith("| None") else f"{f.type} | None",
-                   dataclasses.field(default=None)) for f in dataclasses.fields(CheckpointConfig)], kw_only=True)
+                   dataclasses.field(default=None, repr=f.repr)) for f in dataclasses.fields(CheckpointConfig)],
+    kw_only=True)
 
 SETTINGS = tuple(f.name for f in dataclasses.fields(CheckpointConfig))
 """The names a plugin (and ``FaultTolerantCheckpoint(**config)``) accepts."""

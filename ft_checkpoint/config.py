@@ -27,6 +27,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from ft_checkpoint import signing
 from ft_checkpoint.errors import ConfigError
 from ft_checkpoint.jsonfile import is_int, is_number
 from ft_checkpoint.units import parse_duration, parse_signal, short
@@ -136,9 +137,25 @@ class CheckpointConfig:
     writers: int = 2
     """Shard files (and parallel writers) per rank: more than one helps a large state on fast storage."""
 
+    signing_key: str | None = dataclasses.field(default=None, repr=False)
+    """A secret (32 to 4096 bytes of text, e.g. ``openssl rand -hex 32``) that signs every manifest (HMAC-SHA256)
+    and without whose signature no step is resumed (see ``signing``). Best from the environment
+    (``FT_CHECKPOINT_SIGNING_KEY``) or ``signing_key_file``; never printed or logged."""
+
+    signing_key_file: str | None = None
+    """A local file holding the signing key (one trailing line ending dropped), outside the checkpoint directory;
+    instead of ``signing_key``."""
+
+    run_name: str | None = None
+    """The run's identity that signatures bind (default: the checkpoint directory's URL). Set it to the same name
+    in every job of a run whose directory may be moved or copied, so that its signed steps verify there too."""
+
     def __post_init__(self) -> None:
         for name, validate in _VALIDATORS.items():
             object.__setattr__(self, name, _validated(name, validate, getattr(self, name)))
+        if self.signing_key is not None and self.signing_key_file is not None:
+            raise ConfigError("signing_key and signing_key_file are both set: give one (the values are not shown). "
+                              "HINT: unset FT_CHECKPOINT_SIGNING_KEY or FT_CHECKPOINT_SIGNING_KEY_FILE")
         if (self.min_interval is not None and self.max_interval is not None
                 and parse_duration(self.min_interval) > parse_duration(self.max_interval)):
             _bad("min_interval", self.min_interval, f"a duration no longer than max_interval={self.max_interval!r}")
@@ -270,6 +287,25 @@ def _check_storage_options(field: str, value: Any) -> dict[str, Any]:
     return value
 
 
+def _check_signing_key(field: str, value: Any) -> str | None:
+    """Never shows the value: a ConfigError says what is wrong with the key, not what it is."""
+    if value is not None:
+        signing.check_key_text(field, value)
+    return value
+
+
+def _check_path_or_name(*, key_file: bool) -> Callable[[str, Any], Any]:
+    def check(field: str, value: Any) -> str | None:
+        if value is None:
+            return None
+        if not isinstance(value, str) or not value.strip() or "\x00" in value or len(value) > signing.MAX_RUN_NAME:
+            _bad(field, value, "a non-empty text without NUL, at most 4096 characters")
+        if key_file:
+            signing.read_key_file(field, value)  # readable, a regular file, a key of the right length
+        return value
+    return check
+
+
 def _check_choice(*choices: str) -> Callable[[str, Any], str]:
     def check(field: str, value: Any) -> str:
         if not isinstance(value, str) or value not in choices:
@@ -322,6 +358,9 @@ _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "writer": _check_choice("thread", "process"),
     "writer_priority": _int(0, 19),
     "writers": _int(1, 64),
+    "signing_key": _check_signing_key,
+    "signing_key_file": _check_path_or_name(key_file=True),
+    "run_name": _check_path_or_name(key_file=False),
 }
 """Each field's validator: ``(name, value) -> value`` (normalized), or a ConfigError naming the field."""
 

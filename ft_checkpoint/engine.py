@@ -51,6 +51,7 @@ from ft_checkpoint import checksum, layout, retry, shards
 from ft_checkpoint.dist import Groups
 from ft_checkpoint.errors import ConfigError, LeaseError, SaveError, StateMismatchError
 from ft_checkpoint.shards import ThreadSink, set_thread_priority
+from ft_checkpoint.signing import Signer
 from ft_checkpoint.staging import Stager
 from ft_checkpoint.state import split_tree
 from ft_checkpoint.storage import Storage
@@ -123,11 +124,13 @@ class CheckpointEngine:
         writers: Files (and parallel writers) per rank for the tensor data.
         writer: ``"thread"`` (write in this process) or ``"process"`` (writer processes).
         priority: The writers' nice value (0 to 19).
+        signer: Signs each manifest before it is written (see ``signing``); None writes it unsigned.
     """
 
     def __init__(self, storage: Storage, groups: Groups, *, writers: int = 1, writer: str = "thread",
-                 priority: int = 0) -> None:
+                 priority: int = 0, signer: Signer | None = None) -> None:
         self.storage = storage
+        self.signer = signer
         self.groups = groups
         self.writers = writers
         self.writer = writer
@@ -269,6 +272,8 @@ class CheckpointEngine:
         """Rank 0: write the manifest, last, in one object. Every rank learns the outcome (see ``_agree``)."""
         manifest = layout.Manifest(step=stats.step, world_size=self.groups.world_size, files=files,
                                    versions=_versions(), **fields)
+        if self.signer is not None:
+            manifest = self.signer.sign(manifest)
         if listener is not None:
             listener.check_writable(stats)
         self.phase("committing", stats.step)

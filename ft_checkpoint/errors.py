@@ -40,6 +40,11 @@ class CheckpointCorruptError(FTCheckpointError, ValueError):
     """A checkpoint failed verification (missing file, wrong size or checksum, bad manifest)."""
 
 
+class SignatureError(CheckpointCorruptError):
+    """A manifest is unsigned, or its signature does not verify with the configured key, run and step
+    (``signing_key``); or, from a resume, no step verifies (the key or the run name may be wrong)."""
+
+
 class SaveError(FTCheckpointError, RuntimeError):
     """A background save failed; re-raised at the next ``save``, ``wait`` or ``close``."""
 

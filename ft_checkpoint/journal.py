@@ -300,6 +300,36 @@ class JournalReader:
         log.warning("skipping the unreadable journal entry %s: %s", url, reason)
 
 
+def newest_recorded_step(storage: Storage) -> tuple[int, str] | None:
+    """``(step, attempt)`` of the last ``commit`` or ``resume`` event of the newest attempt that has one: how far
+    the run got, as far as its journal knows. Costs a listing per attempt, newest first, until one has such an
+    event, and a read; an unreadable event is skipped with a warning (the one before it is read instead), and
+    only regular files are read (a FIFO or a link named like an event is not: it could block or lead elsewhere).
+
+    Example:
+        >>> s = Storage("memory://doc/recorded")
+        >>> Journal(s, attempt="20261129T000000.000000Z-abc123").record("commit", step=40)
+        >>> Journal(s, attempt="20261129T010000.000000Z-def456").record("attempt_start")
+        >>> newest_recorded_step(s)
+        (40, '20261129T000000.000000Z-abc123')
+    """
+    reader = JournalReader(storage)
+    attempts = [name for name, entry in storage.entries(JOURNAL_DIR).items() if entry.kind == "directory"]
+    for attempt in sorted(attempts, reverse=True):  # attempt ids sort by start time
+        try:
+            if attempt_start_time(attempt) > reader.now + CLOCK_SLACK:
+                continue
+        except ValueError:
+            continue
+        names = [n for n, entry in storage.entries(f"{JOURNAL_DIR}/{attempt}").items() if entry.kind == "file"
+                 and (m := _EVENT_RE.match(n)) and m.group(1) in ("commit", "resume")]
+        for name in sorted(names, key=lambda n: int(n.split("-", 1)[0]), reverse=True):
+            event = reader._event(attempt, name)
+            if event is not None and event.get("step") is not None:
+                return event["step"], attempt
+    return None
+
+
 def attempt_summaries(storage: Storage) -> list[dict[str, Any]]:
     """Per attempt, oldest first: ``attempt``, ``start``, ``end`` (time of its last sign of life),
     ``ended`` (cleanly or by an announced preemption), ``last_step`` (its last progress note, or

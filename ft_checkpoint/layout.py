@@ -17,6 +17,7 @@ could be read by a loader), no symbolic link. Checksums are verified as the byte
 directories named ``step_`` + 12 ASCII digits are steps: a file, a symbolic link or another name is
 not ours, and nothing here reads, follows or deletes it. Format 1 (before CRC-32C and ``metadata.json``:
 DCP's own shard format, pickled ``.metadata``, SHA-256) keeps loading.
+With a signing key, a step also needs a manifest whose signature verifies (see ``signing``).
 
 Example:
     >>> step_dir(1200)
@@ -37,7 +38,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ft_checkpoint import checksum as crc
-from ft_checkpoint.errors import CheckpointCorruptError, StorageNotFoundError
+from ft_checkpoint import signing
+from ft_checkpoint.errors import CheckpointCorruptError, SignatureError, StorageNotFoundError
 from ft_checkpoint.jsonfile import is_int
 from ft_checkpoint.storage import Storage
 from ft_checkpoint.units import short
@@ -54,6 +56,8 @@ MAX_STEP = 10**12
 _STEP_RE = re.compile(r"step_([0-9]{12})", re.ASCII)
 _SAFE_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+", re.ASCII)
 UNLISTED = "not listed in the manifest (left over or copied in; a step must hold only what it committed)"
+REFUSED = "refused"
+"""A :attr:`StepCheck.signature` that a signing key refused (unsigned, or not verifying)."""
 QUARANTINED = "quarantined: a resume found it corrupt and renamed its manifest to manifest.json.skipped"
 
 
@@ -115,6 +119,8 @@ class Manifest:
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    signature: dict[str, str] | None = None
+    """With a signing key: ``{"alg": "hmac-sha256", "run", "key_id", "mac"}`` (see ``signing``); else absent."""
 
     @property
     def total_bytes(self) -> int:
@@ -132,8 +138,10 @@ class Manifest:
         return sorted(set(names) - set(self.files) - {MANIFEST})
 
     def to_json(self) -> bytes:
-        """Serialize (stable key order, readable)."""
+        """Serialize (stable key order, readable); an unsigned manifest has no ``signature`` field at all."""
         d = dataclasses.asdict(self)
+        if d["signature"] is None:
+            del d["signature"]
         return json.dumps({"format": "ft-checkpoint", **d}, indent=1, sort_keys=True, allow_nan=False).encode()
 
     @classmethod
@@ -192,6 +200,8 @@ def _checked_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
                      "an object of strings"),
         "metadata": (lambda v: isinstance(v, dict), "an object"),
         "files": (lambda v: isinstance(v, dict), "an object of file entries"),
+        "signature": (lambda v: v is None or signing.is_signature(v),
+                      'null or {"alg": "hmac-sha256", "run": <str>, "key_id": <16 hex>, "mac": <64 hex>}'),
     }
     for field, (ok, expected) in checks.items():
         if field in d and not ok(d[field]):
@@ -233,14 +243,17 @@ def list_steps(storage: Storage) -> dict[int, bool]:
     return steps
 
 
-def read_manifest(storage: Storage, step: int) -> Manifest:
-    """Read and parse the manifest of ``step``; CheckpointCorruptError if missing or invalid."""
+def read_manifest(storage: Storage, step: int, *, signer: signing.Signer | None = None) -> Manifest:
+    """Read and parse the manifest of ``step``; CheckpointCorruptError if missing or invalid, and with a
+    ``signer``, SignatureError if it is unsigned or its signature does not verify for this run and step."""
     rel = f"{step_dir(step)}/{MANIFEST}"
     try:
         data = storage.read_bytes(rel)
     except StorageNotFoundError as e:
         raise CheckpointCorruptError("manifest.json is missing") from e
     manifest = Manifest.from_json(data, where=storage.url_of(rel))
+    if signer is not None:
+        signer.check(manifest, step)
     if manifest.step != step:
         raise CheckpointCorruptError(f"manifest.json says step {manifest.step}, the directory says {step}")
     return manifest
@@ -269,6 +282,9 @@ class StepCheck:
     manifest: Manifest | None = None
     problems: list[str] = dataclasses.field(default_factory=list)
     bytes_checked: int = 0
+    signature: str | None = None
+    """``"verified"`` (with a key), ``"refused"`` (with a key: unsigned or not verifying; the first problem says
+    why), ``"not checked"`` (signed, no key given), ``"none"`` (unsigned, no key given); None: no manifest."""
 
     @property
     def ok(self) -> bool:
@@ -286,13 +302,16 @@ class StepCheck:
 
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "ok": self.ok, "files": self.files, "bytes": self.bytes,
-                "problems": list(self.problems)}
+                "signature": self.signature, "problems": list(self.problems)}
 
     def raise_if_bad(self) -> Manifest:
-        """The manifest, or CheckpointCorruptError with the first problems (unlisted files in one)."""
+        """The manifest, or CheckpointCorruptError with the first problems (unlisted files in one); SignatureError
+        if the signature was refused."""
         if self.ok:
             assert self.manifest is not None
             return self.manifest
+        if self.signature == REFUSED:
+            raise SignatureError(self.problems[0])
         suffix = f": {UNLISTED}"
         unlisted = [p.removesuffix(suffix) for p in self.problems if p.endswith(suffix)]
         problems = [p for p in self.problems if not p.endswith(suffix)]
@@ -307,10 +326,11 @@ OnBytes = Callable[[int], None]
 
 
 def check_step(storage: Storage, step: int, *, checksums: bool | Callable[[str], bool] = False,
-               on_bytes: OnBytes | None = None) -> StepCheck:
-    """Check a step: the manifest, every file's size and kind, no file it does not list, and checksums
-    (``True``: every file; a predicate: the files it selects, e.g. this rank's share; ``False``: none —
-    a resume verifies format-2 data as it reads it).
+               on_bytes: OnBytes | None = None, signer: signing.Signer | None = None) -> StepCheck:
+    """Check a step: the manifest (with a ``signer``, its signature first: nothing else is looked at in a
+    step it refuses), every file's size and kind, no file it does not list, and checksums (``True``: every
+    file; a predicate: the files it selects, e.g. this rank's share; ``False``: none — a resume verifies
+    format-2 data as it reads it).
 
     Example:
         >>> check_step(Storage("memory://doc/check"), 7).problems
@@ -319,11 +339,16 @@ def check_step(storage: Storage, step: int, *, checksums: bool | Callable[[str],
     result = StepCheck(step=step)
     rel = step_dir(step)
     try:
-        result.manifest = manifest = read_manifest(storage, step)
+        result.manifest = manifest = read_manifest(storage, step, signer=signer)
+    except SignatureError as e:
+        result.signature = REFUSED
+        result.problems.append(str(e))
+        return result
     except CheckpointCorruptError as e:
         quarantined = MANIFEST + SKIPPED_SUFFIX in storage.sizes(rel)
         result.problems.append(QUARANTINED if quarantined else str(e))
         return result
+    result.signature = "verified" if signer is not None else "none" if manifest.signature is None else "not checked"
     entries = storage.entries(rel)
     for name, entry in sorted(manifest.files.items()):
         problem = _entry_problem(entries.get(name), entry)

@@ -43,8 +43,9 @@ from ft_checkpoint.policy import (
     policy_metrics,
 )
 from ft_checkpoint.preemption import PreemptionWatcher
-from ft_checkpoint.resume import check_for_resume, refuse_older_step, resume_newest
+from ft_checkpoint.resume import check_for_resume, refuse_older_step, resume_newest, warn_if_rolled_back
 from ft_checkpoint.save_events import SaveEvents
+from ft_checkpoint.signing import Signer
 from ft_checkpoint.slurm import SlurmJob, requeue
 from ft_checkpoint.state import (
     Participants,
@@ -97,6 +98,8 @@ class CheckpointManager:
             raise ConfigError("dirpath is required: pass it, set FT_CHECKPOINT_DIRPATH, or put it in the "
                               "YAML file named by FT_CHECKPOINT_CONFIG")
         self.storage = Storage(c.dirpath, c.storage_options, retries=c.retries)
+        self.signer = Signer.from_config(c, self.storage.url)
+        """Signs every manifest this job commits and refuses unsigned steps at resume (None: no ``signing_key``)."""
         self.groups = Groups.create()
         self.groups.on_rank0(self.storage.ensure_root)
         self.policy = policy or policy_from_interval(
@@ -107,7 +110,7 @@ class CheckpointManager:
         self.lease = Lease(self.storage, attempt=self.journal.attempt)
         self.groups.on_rank0(lambda: self.lease.acquire(force=c.force_takeover))
         self.engine = CheckpointEngine(self.storage, self.groups, writers=c.writers, writer=c.writer,
-                                       priority=c.writer_priority)
+                                       priority=c.writer_priority, signer=self.signer)
         self.loader = StepLoader(self.storage, self.groups)
         self.slurm = SlurmJob.detect(query=self.rank == 0)
         """The Slurm job this runs in (None outside Slurm); its requeue flag and end time on rank 0 only."""
@@ -325,11 +328,14 @@ class CheckpointManager:
         self.engine.phase("resuming", -1)
         found = resume_newest(
             self.storage, self.groups, open_step=self.loader.open_step,
-            check=lambda step: check_for_resume(self.storage, step, rank=self.rank, world_size=self.groups.world_size),
+            check=lambda step: check_for_resume(self.storage, step, rank=self.rank, world_size=self.groups.world_size,
+                                                signer=self.signer),
             load=lambda opened: load_state(self.loader, opened, state, participants=self._participants,
                                            per_rank=per_rank, check=check),
             touches=lambda opened: opened.touches)
         self._newest_committed = self.latest()
+        if self.signer is not None and self.rank == 0:
+            warn_if_rolled_back(self.storage, found[0].step if found else None)
         if found is None:
             if self.rank == 0:
                 log.info("no committed checkpoint in %s: starting fresh", self.storage.url)

@@ -12,7 +12,9 @@ A step is one of:
 - ``partial``: no manifest, an interrupted save (or one still being written);
 - ``corrupt``: a manifest that is invalid, or lists a file that is missing or has the wrong size, or a
   directory that also holds a file the manifest does not list, or one that a resume already quarantined
-  (``manifest.json.skipped``).
+  (``manifest.json.skipped``);
+- ``unverified``: with a signing key (``signer``), a manifest that is unsigned or whose signature does
+  not verify for this key, run and step: a resume skips it.
 
 Example:
     >>> from ft_checkpoint.storage import Storage
@@ -33,9 +35,10 @@ from ft_checkpoint import checksum, layout, tensor_metadata
 from ft_checkpoint.errors import CheckpointCorruptError, StorageNotFoundError
 from ft_checkpoint.layout import OnBytes, StepCheck
 from ft_checkpoint.retention import plan_deletions
+from ft_checkpoint.signing import Signer
 from ft_checkpoint.storage import Storage
 
-COMMITTED, PARTIAL, CORRUPT = "committed", "partial", "corrupt"
+COMMITTED, PARTIAL, CORRUPT, UNVERIFIED = "committed", "partial", "corrupt", "unverified"
 
 
 @dataclasses.dataclass
@@ -78,8 +81,9 @@ def require_directory(storage: Storage) -> None:
             "options (FT_CHECKPOINT_STORAGE_OPTIONS, a JSON object)")
 
 
-def describe_step(storage: Storage, step: int) -> StepInfo:
-    """The status, size and manifest fields of one step directory (sizes checked, no checksums).
+def describe_step(storage: Storage, step: int, *, signer: Signer | None = None) -> StepInfo:
+    """The status, size and manifest fields of one step directory (sizes checked, no checksums; with a
+    ``signer``, the signature too).
 
     Example:
         >>> from ft_checkpoint.storage import Storage
@@ -93,24 +97,26 @@ def describe_step(storage: Storage, step: int) -> StepInfo:
         info.status = CORRUPT if quarantined else PARTIAL
         info.reason = layout.QUARANTINED if quarantined else "no manifest.json: an interrupted save, or one still being written"
         return info
-    check = layout.check_step(storage, step)
+    check = layout.check_step(storage, step, signer=signer)
     if not check.ok or check.manifest is None:
-        info.status, info.reason, info.manifest = CORRUPT, "; ".join(check.problems), True
+        status = UNVERIFIED if check.signature == layout.REFUSED else CORRUPT
+        info.status, info.reason, info.manifest = status, "; ".join(check.problems), True
         return info
     m = check.manifest
     return StepInfo(step=step, status=COMMITTED, bytes=m.total_bytes, files=len(m.files), time=m.time,
                     world_size=m.world_size, epoch=m.epoch, manifest=True)
 
 
-def list_checkpoints(storage: Storage) -> Listing:
-    """Every step directory with its status, and the newest committed step (what a resume would try).
+def list_checkpoints(storage: Storage, *, signer: Signer | None = None) -> Listing:
+    """Every step directory with its status, and the newest committed step (what a resume would try; with a
+    ``signer``, the newest whose signature verifies).
 
     Example:
         >>> from ft_checkpoint.storage import Storage
         >>> list_checkpoints(Storage("memory://doc/empty-listing")).steps
         []
     """
-    infos = [describe_step(storage, step) for step in sorted(layout.list_steps(storage))]
+    infos = [describe_step(storage, step, signer=signer) for step in sorted(layout.list_steps(storage))]
     committed = [i.step for i in infos if i.status == COMMITTED]
     return Listing(url=storage.url, steps=infos, resume_step=max(committed, default=None))
 
@@ -153,16 +159,18 @@ def select_steps(listing: Listing, *, step: int | None = None, all_steps: bool =
     return [i.step for i in listing.steps if i.manifest][-1:]
 
 
-def check_step(storage: Storage, step: int, *, on_bytes: OnBytes | None = None) -> StepCheck:
-    """Check the manifest, every file's size, kind and checksum, for files it does not list, and (format 2)
-    the tensor metadata against the manifest; collect every problem, each naming the file by its URL.
+def check_step(storage: Storage, step: int, *, on_bytes: OnBytes | None = None,
+               signer: Signer | None = None) -> StepCheck:
+    """Check the manifest (with a ``signer``, its signature first), every file's size, kind and checksum, for
+    files it does not list, and (format 2) the tensor metadata against the manifest; collect every problem,
+    each naming the file by its URL.
 
     Example:
         >>> from ft_checkpoint.storage import Storage
         >>> check_step(Storage("memory://doc/check"), 7).problems
         ['memory://doc/check/step_000000000007/manifest.json is missing']
     """
-    check = layout.check_step(storage, step, checksums=True, on_bytes=on_bytes)
+    check = layout.check_step(storage, step, checksums=True, on_bytes=on_bytes, signer=signer)
     if check.ok and check.manifest is not None and check.manifest.format_version >= 2:
         try:
             tensor_metadata.parse(storage.read_bytes(f"{layout.step_dir(step)}/{layout.METADATA}"),
@@ -181,8 +189,10 @@ def _names_a_file(problem: str) -> bool:
 
 
 # -- inspect -----------------------------------------------------------------------------------
-def inspect_step(storage: Storage, step: int) -> dict[str, Any]:
-    """The manifest of ``step`` and its tensors (name, shape, dtype, bytes, chunks) from its tensor metadata.
+def inspect_step(storage: Storage, step: int, *, signer: Signer | None = None) -> dict[str, Any]:
+    """The manifest of ``step``, its tensors (name, shape, dtype, bytes, chunks) from its tensor metadata, and
+    ``signature``: ``"verified"`` (with a ``signer``: a step it refuses is an error, nothing of it is
+    read), ``"not checked"`` (signed, no key given) or ``"none"``.
 
     The metadata is checked against its manifest checksum first; ``metadata.json`` (format 2) is plain
     JSON, checked as a resume checks it, and needs no torch. A format-1 ``.metadata`` is read by the
@@ -199,7 +209,7 @@ def inspect_step(storage: Storage, step: int) -> dict[str, Any]:
     """
     where = storage.url_of(layout.step_dir(step))
     try:
-        manifest = layout.read_manifest(storage, step)
+        manifest = layout.read_manifest(storage, step, signer=signer)
         name = layout.METADATA if manifest.format_version >= 2 else ".metadata"
         entry = manifest.files.get(name)
         if entry is None:
@@ -212,7 +222,9 @@ def inspect_step(storage: Storage, step: int) -> dict[str, Any]:
     except CheckpointCorruptError as e:
         raise CheckpointCorruptError(f"{where}: {e}. HINT: 'ft-checkpoint ls' shows which steps are committed, "
                                      "'ft-checkpoint verify' what is wrong") from e
-    return {"url": where, "step": step, "manifest": dataclasses.asdict(manifest), "tensors": tensors}
+    signature = "verified" if signer is not None else "none" if manifest.signature is None else "not checked"
+    return {"url": where, "step": step, "manifest": dataclasses.asdict(manifest), "tensors": tensors,
+            "signature": signature}
 
 
 def _describe(manifest: layout.Manifest, data: bytes) -> list[dict[str, Any]]:
@@ -244,8 +256,9 @@ class GcPlan:
 
 
 def plan_gc(storage: Storage, *, keep_last: int, keep_every_n_steps: int | None = None,
-            on_bytes: OnBytes | None = None) -> GcPlan:
-    """The core's retention rules, plus: the newest step that verifies (checksums too) is always kept.
+            on_bytes: OnBytes | None = None, signer: Signer | None = None) -> GcPlan:
+    """The core's retention rules, plus: the newest step that verifies (checksums too; with a ``signer``, its
+    signature too, so that a forged newer step never takes its place) is always kept.
 
     Example:
         >>> from ft_checkpoint.storage import Storage
@@ -257,15 +270,17 @@ def plan_gc(storage: Storage, *, keep_last: int, keep_every_n_steps: int | None 
     steps = layout.list_steps(storage)
     committed = set(layout.committed_steps(storage, steps))
     doomed = plan_deletions({s: s in committed for s in steps}, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps)
-    protected = newest_verified(storage, sorted(committed, reverse=True), on_bytes)
+    protected = newest_verified(storage, sorted(committed, reverse=True), on_bytes, signer=signer)
     delete = [s for s in doomed if s != protected]
     return GcPlan(url=storage.url, delete=delete, keep=sorted(set(steps) - set(delete)), protected=protected)
 
 
-def newest_verified(storage: Storage, candidates: Iterable[int], on_bytes: OnBytes | None = None) -> int | None:
-    """The first of ``candidates`` (newest first) whose manifest, sizes and checksums all check out."""
+def newest_verified(storage: Storage, candidates: Iterable[int], on_bytes: OnBytes | None = None, *,
+                    signer: Signer | None = None) -> int | None:
+    """The first of ``candidates`` (newest first) whose manifest, sizes and checksums (and signature, with a
+    ``signer``) all check out."""
     for step in candidates:
-        if check_step(storage, step, on_bytes=on_bytes).ok:
+        if check_step(storage, step, on_bytes=on_bytes, signer=signer).ok:
             return step
     return None
 

@@ -2,16 +2,18 @@
 
     ft-checkpoint plan --mtbf 6h --cost 5m [--restart 2m] [--json] [--plot waste.png]
     ft-checkpoint simulate [--mtbf 15m,1h,6h,1d,1w] [--cost 1s,10s,1m,10m] [--weibull 0.7] [--json]
-    ft-checkpoint ls DIR [--json]
-    ft-checkpoint verify DIR [--step N | --all] [--json]
-    ft-checkpoint inspect DIR [--step N] [--json]
-    ft-checkpoint gc DIR --keep N [--keep-every M] [--dry-run] [--json]
+    ft-checkpoint ls DIR [--json] [--key-file PATH] [--run-name NAME]
+    ft-checkpoint verify DIR [--step N | --all] [--json] [--key-file PATH] [--run-name NAME]
+    ft-checkpoint inspect DIR [--step N] [--json] [--key-file PATH] [--run-name NAME]
+    ft-checkpoint gc DIR --keep N [--keep-every M] [--dry-run] [--json] [--key-file PATH] [--run-name NAME]
     ft-checkpoint report DIR [--plot timeline.png] [--json]
 
 Durations accept seconds or ``30s``, ``5m``, ``6h``, ``2d``, ``1w``. ``DIR`` is a local path or an
 fsspec URL (``gs://bucket/run``); storage options (credentials, endpoint) come from
 ``FT_CHECKPOINT_STORAGE_OPTIONS`` (a JSON object) or the file named by ``FT_CHECKPOINT_CONFIG``, like the
-training's; without ``DIR``, ``FT_CHECKPOINT_DIRPATH``. The logic lives in ``ft_checkpoint.tools.catalog`` and
+training's; without ``DIR``, ``FT_CHECKPOINT_DIRPATH``. A signing key (``--key-file``, or the training's:
+``FT_CHECKPOINT_SIGNING_KEY``, ``FT_CHECKPOINT_SIGNING_KEY_FILE``, the config file) makes ``ls``, ``verify``,
+``inspect`` and ``gc`` check signatures as a resume does. The logic lives in ``ft_checkpoint.tools.catalog`` and
 ``ft_checkpoint.tools.goodput``; this module parses arguments and prints. Exit codes: 0 ok; 1 ``verify``
 found a problem; 2 a usage, configuration or storage error, or a file that cannot be read: always one
 line ``ft-checkpoint COMMAND: error: ...`` on stderr, never a traceback (``FT_CHECKPOINT_DEBUG=1``
@@ -40,6 +42,7 @@ from ft_checkpoint.errors import FTCheckpointError
 from ft_checkpoint.units import human_bytes, human_seconds, parse_duration, short
 
 if TYPE_CHECKING:
+    from ft_checkpoint.signing import Signer
     from ft_checkpoint.storage import Storage
 
 
@@ -215,6 +218,20 @@ def open_storage(url: str | None) -> Storage:
     return storage
 
 
+def open_signer(args: argparse.Namespace, storage: Storage) -> Signer | None:
+    """The signer of ``--key-file`` (else the training's key: env or config file) and ``--run-name`` (else the
+    training's, else the directory's URL); None without a key."""
+    from ft_checkpoint.config import CheckpointConfig
+    from ft_checkpoint.signing import Signer
+
+    config = CheckpointConfig.from_env()
+    if args.key_file is not None:  # the option wins over a key in the environment
+        config = config.replace(signing_key=None, signing_key_file=args.key_file)
+    if args.run_name is not None:
+        config = config.replace(run_name=args.run_name)
+    return Signer.from_config(config, storage.url)
+
+
 class ProgressBar:
     """A one-line progress bar on stderr, drawn only when stdout and stderr are terminals (else silent).
 
@@ -265,12 +282,15 @@ def emit(args: argparse.Namespace, data: Any, lines: list[str]) -> None:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from ft_checkpoint.tools.catalog import list_checkpoints
+    from ft_checkpoint.tools.catalog import UNVERIFIED, list_checkpoints
 
     storage = open_storage(args.dir)
-    listing = list_checkpoints(storage)
+    signer = open_signer(args, storage)
+    listing = list_checkpoints(storage, signer=signer)
     pick = f"resume would pick step {listing.resume_step}" if listing.resume_step is not None else \
         "no committed step: a resume would start fresh"
+    if listing.resume_step is None and any(i.status == UNVERIFIED for i in listing.steps):
+        pick = "no step verifies with the key: a resume would stop with an error (the key or run name may be wrong)"
     lines = [f"{listing.url}: {plural(len(listing.steps), 'step directory', 'step directories')}; {pick}"]
     if not listing.steps:
         from ft_checkpoint.tools.catalog import checkpoint_dirs_below
@@ -282,16 +302,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if rows:
         lines += table(["step", "status", "saved (UTC)", "size", "files", "world", ""], rows, "><<>>><")
     if listing.resume_step is not None:
-        lines.append(f"(sizes checked; 'ft-checkpoint verify {args.dir or listing.url}' checks checksums too)")
+        checked = "sizes and signatures" if signer is not None else "sizes"
+        lines.append(f"({checked} checked; 'ft-checkpoint verify {args.dir or listing.url}' checks checksums too)")
     emit(args, listing.to_dict(), lines)
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from ft_checkpoint.layout import REFUSED
     from ft_checkpoint.tools.catalog import check_step, list_checkpoints, select_steps
 
     storage = open_storage(args.dir)
-    listing = list_checkpoints(storage)
+    signer = open_signer(args, storage)
+    listing = list_checkpoints(storage, signer=signer)
     steps = select_steps(listing, step=args.step, all_steps=args.all)
     if args.step is not None and args.step not in {i.step for i in listing.steps}:
         raise UsageError(f"{storage.url} has no step {args.step}; 'ft-checkpoint ls {args.dir or storage.url}' "
@@ -303,32 +326,40 @@ def cmd_verify(args: argparse.Namespace) -> int:
     sizes = {i.step: i.bytes for i in listing.steps}
     bar = ProgressBar(sum(sizes.get(s, 0) for s in steps), "verifying", enabled=False if args.json else None)
     try:
-        checks = [check_step(storage, s, on_bytes=bar.update) for s in steps]
+        checks = [check_step(storage, s, on_bytes=bar.update, signer=signer) for s in steps]
     finally:
         bar.close()
     ok = all(c.ok for c in checks)
     lines = []
     for c in checks:
-        lines.append(f"step {c.step}: " + (f"ok ({c.files} files, {human_bytes(c.bytes)}: sizes and checksums)"
-                                           if c.ok else "CORRUPT"))
+        lines.append(f"step {c.step}: " + (f"ok ({c.files} files, {human_bytes(c.bytes)}: {_checked(c.signature)})"
+                                           if c.ok else "UNVERIFIED" if c.signature == REFUSED else "CORRUPT"))
         lines += [f"  {p}" for p in c.problems]
     bad = [c.step for c in checks if not c.ok]
     lines.append(f"intact: {plural(len(checks), 'step')} checked" if ok else
                  f"NOT INTACT: {len(bad)} of {plural(len(checks), 'checked step')} ({', '.join(map(str, bad))}); "
-                 "a resume skips a corrupt step and falls back to the previous one"
+                 "a resume skips a corrupt or unverified step and falls back to the previous one"
                  + ("" if args.all else ". HINT: 'ft-checkpoint verify --all' checks the others"))
     emit(args, {"url": storage.url, "ok": ok, "steps": [c.to_dict() for c in checks]}, lines)
     return 0 if ok else 1
+
+
+def _checked(signature: str | None) -> str:
+    """What ``verify`` checked in a step that is ok, by its ``StepCheck.signature``."""
+    return {"verified": "sizes, checksums and signature",
+            "not checked": "sizes and checksums; signed, signature not checked: no key given"}.get(
+        signature or "", "sizes and checksums")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ft_checkpoint.tools.catalog import inspect_step, list_checkpoints
 
     storage = open_storage(args.dir)
-    step = args.step if args.step is not None else list_checkpoints(storage).resume_step
+    signer = open_signer(args, storage)
+    step = args.step if args.step is not None else list_checkpoints(storage, signer=signer).resume_step
     if step is None:
         raise UsageError(f"{storage.url} has no committed step: pass --step N ('ft-checkpoint ls' lists them)")
-    info = inspect_step(storage, step)
+    info = inspect_step(storage, step, signer=signer)
     emit(args, info, _inspect_lines(info))
     return 0
 
@@ -338,7 +369,7 @@ def _inspect_lines(info: dict[str, Any]) -> list[str]:
     width = max([len(t["name"]) for t in tensors] + [4]) + 2
     lines = [f"step {info['step']} of {info['url']}: saved {utc(m['time'])}, world size {m['world_size']}, "
              f"epoch {m['epoch']}, format {m['format_version']}",
-             "versions: " + ", ".join(f"{k} {v}" for k, v in sorted(m["versions"].items()))]
+             "versions: " + ", ".join(f"{k} {v}" for k, v in sorted(m["versions"].items())), _signature_line(info)]
     if m["metadata"]:
         lines.append(f"metadata: {json.dumps(m['metadata'])}")
     lines += _deepspeed_lines(m["metadata"])
@@ -352,6 +383,14 @@ def _inspect_lines(info: dict[str, Any]) -> list[str]:
     lines += [f"  {t['name']:<{width}}{t['dtype']:<10}{str(t['shape']):<20}{human_bytes(t['bytes']):>9}"
               for t in tensors]
     return lines
+
+
+def _signature_line(info: dict[str, Any]) -> str:
+    if info["signature"] == "verified":
+        return f"signature: verified with the key (run {short(info['manifest']['signature']['run'])})"
+    if info["signature"] == "not checked":
+        return "signature: present, not checked (no key given: --key-file PATH, or FT_CHECKPOINT_SIGNING_KEY)"
+    return "signature: none"
 
 
 def _deepspeed_lines(metadata: Any) -> list[str]:
@@ -369,7 +408,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from ft_checkpoint.tools.catalog import apply_gc, plan_gc
 
     storage = open_storage(args.dir)
-    plan = plan_gc(storage, keep_last=args.keep, keep_every_n_steps=args.keep_every)
+    plan = plan_gc(storage, keep_last=args.keep, keep_every_n_steps=args.keep_every,
+                   signer=open_signer(args, storage))
     if not args.dry_run:
         apply_gc(storage, plan)
     verb = "would delete" if args.dry_run else "deleted"
@@ -494,18 +534,28 @@ def _add_directory_commands(sub: Any) -> None:
         p.set_defaults(func=func)
         return p
 
-    add("ls", cmd_ls, "list the steps: status, time, size, files, world size, and the step a resume would pick")
+    def add_signing(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--key-file", metavar="PATH", help="check signatures with the key in this file (default: "
+                       "FT_CHECKPOINT_SIGNING_KEY or FT_CHECKPOINT_SIGNING_KEY_FILE, as the training)")
+        p.add_argument("--run-name", metavar="NAME", help="the run identity signatures bind (default: "
+                       "FT_CHECKPOINT_RUN_NAME, else the directory's URL)")
+
+    add_signing(add("ls", cmd_ls, "list the steps: status, time, size, files, world size, and the step a resume "
+                    "would pick"))
     verify = add("verify", cmd_verify, "check sizes and checksums; exit code 0 only if everything checked is intact")
+    add_signing(verify)
     which = verify.add_mutually_exclusive_group()
     which.add_argument("--step", type=step_number,
                        help="check this step (default: the newest with a manifest, which a resume tries first)")
     which.add_argument("--all", action="store_true", help="check every step that has a manifest")
     inspect = add("inspect", cmd_inspect, "show a step's manifest and its tensors' names, shapes, dtypes and sizes")
     inspect.add_argument("--step", type=step_number, help="the step (default: the newest committed one)")
+    add_signing(inspect)
     gc = add("gc", cmd_gc, "delete old steps by the retention rules; never the newest step that verifies")
     gc.add_argument("--keep", type=positive, required=True, help="how many of the newest committed steps to keep")
     gc.add_argument("--keep-every", type=positive, metavar="N", help="also keep every step that is a multiple of N")
     gc.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
+    add_signing(gc)
     report = add("report", cmd_report, "goodput of the job from its journal: where the time went, per attempt")
     report.add_argument("--plot", metavar="PNG", help="draw the attempts on a time axis (needs matplotlib)")
 

@@ -92,6 +92,15 @@ def test_plugin_has_every_core_setting():
     assert plugin_fields == [f.name for f in dataclasses.fields(CheckpointConfig)]
 
 
+def test_the_plugin_never_shows_the_signing_key(clean_env):
+    """The plugin holds the resolved key (here from the environment, as ``accelerate launch`` passes it)."""
+    key = "5f0c9e2a7d41b8363ac2e9f17b0d4c5a" * 2
+    clean_env.setenv("FT_CHECKPOINT_SIGNING_KEY", key)
+    plugin = FaultTolerantCheckpointPlugin(dirpath="/tmp/ft-doc/signed")
+    assert plugin.signing_key == key and plugin.manager_kwargs()["signing_key"] == key
+    assert key not in repr(plugin) and key not in str(plugin) and "run_name=None" in repr(plugin)
+
+
 def test_errors_say_what_to_do(make_accelerator, clean_env, tmp_path):
     acc = make_accelerator()
     with pytest.raises(ConfigError, match="after `model, optimizer, ... = accelerator.prepare"):
