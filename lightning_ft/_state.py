@@ -90,7 +90,7 @@ def check_model_tensors(tree: Mapping[str, Any]) -> None:
         >>> try:
         ...     check_model_tensors({"lightning": {"state_dict": {"w": None}}})
         ... except CheckpointCorruptError as e:
-        ...     print(str(e)[:51])
+        ...     print(str(e)[:50])
         the step's metadata lists no tensor for state_dict
     """
     saved = tree.get("lightning", {}).get("state_dict") if isinstance(tree.get("lightning"), Mapping) else None
