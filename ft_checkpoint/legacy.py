@@ -6,10 +6,12 @@ loading. Two things make it safe to read from a directory someone else can write
 - ``.metadata`` is a pickle. :class:`SafeUnpickler` resolves only the exact ``(module, name)`` pairs
   that DCP's metadata consists of, and refuses any dotted name (with pickle protocol 4 a name such as
   ``os.system`` can be looked up *through* an allowed module);
-- the metadata it yields is then checked like ``metadata.json``: only tensor entries (DCP would load a
-  non-tensor entry with ``torch.load(weights_only=False)``), every ``relative_path`` a plain file name the
-  manifest lists, every byte range inside its file and disjoint from the others, the chunks of each
-  tensor covering it exactly. Each record is then read by DCP with ``torch.load(weights_only=True)``.
+- the metadata it yields is then checked like ``metadata.json``, field by field (each of the type it
+  must have), and rebuilt from the checked values: only tensor entries (DCP would load a non-tensor entry
+  with ``torch.load(weights_only=False)``), every ``relative_path`` a plain file name the manifest lists,
+  every byte range inside its file and disjoint from the others, the chunks of each tensor covering it
+  exactly, no chunk claiming more bytes than its record holds. Each record is then read by DCP with
+  ``torch.load(weights_only=True)``.
 
 Checksums of format-1 files are whole-file SHA-256, verified before the load (one extra read).
 
@@ -26,18 +28,27 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import pickle
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any
 
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
 from ft_checkpoint import layout, shards, tensor_metadata
 from ft_checkpoint._dcp_internals import STORAGE_INFO_NAME, FsspecFileSystem, FsspecReader, StorageInfo
 from ft_checkpoint.errors import CheckpointCorruptError
+from ft_checkpoint.jsonfile import is_int
 from ft_checkpoint.storage import Storage
 
 METADATA = ".metadata"
@@ -80,48 +91,75 @@ def load_metadata(data: bytes) -> Metadata:
 
 
 def parse_metadata(data: bytes, manifest: layout.Manifest) -> Metadata:
-    """The checked metadata of a format-1 step (see the module docstring); CheckpointCorruptError if not."""
+    """The metadata of a format-1 step, rebuilt from its fields once each is checked (see the module
+    docstring): unpickled objects of the allowed classes may hold anything in any field, so none of them is
+    passed on. CheckpointCorruptError if a field is wrong."""
     metadata = load_metadata(data)
+    state, stored = _fields(metadata, "state_dict_metadata", "storage_data")
+    if not isinstance(state, dict) or not isinstance(stored, dict):
+        raise CheckpointCorruptError(f"{METADATA}: malformed (state_dict_metadata and storage_data must be dicts)")
     sizes = tensor_metadata.data_files(manifest.files)
-    state = metadata.state_dict_metadata
-    storage = metadata.storage_data
-    if not isinstance(state, dict) or not isinstance(storage, dict):
-        raise CheckpointCorruptError(f"{METADATA}: malformed")
-    for fqn, md in state.items():
-        def bad(what: str, fqn: Any = fqn) -> CheckpointCorruptError:
-            return CheckpointCorruptError(f"{METADATA}: {str(fqn)[:80]!r}: {what}")
-
-        if not isinstance(fqn, str) or not isinstance(md, TensorStorageMetadata):
-            raise bad("not a tensor entry; refusing it (this engine only ever wrote tensors there)")
-        if md.properties.dtype not in shards.DTYPES.values() or not tensor_metadata.int_list(list(md.size)):
-            raise bad("bad dtype or size")
-        boxes = [(list(c.offsets), list(c.sizes)) for c in md.chunks]
-        for offsets, sizes_ in boxes:
-            if not tensor_metadata.int_list(offsets, len(md.size)) or not tensor_metadata.int_list(sizes_, len(md.size)) or any(
-                    o + n > d for o, n, d in zip(offsets, sizes_, md.size)):
-                raise bad("a chunk lies outside the tensor")
-        tensor_metadata.check_cover(list(md.size), boxes, bad)
-    ranges = []
-    for index, info in storage.items():
-        _check_storage_info(index, info, sizes)
-        ranges.append(tensor_metadata.ChunkEntry((), (), info.relative_path, info.offset, info.length, 0))
-    tensor_metadata.check_ranges(ranges)
-    needed = {MetadataIndex(fqn, c.offsets) for fqn, md in state.items() for c in cast(TensorStorageMetadata, md).chunks}
-    if needed - set(storage):
-        raise CheckpointCorruptError(f"{METADATA}: a chunk has no storage entry")
-    return metadata
+    records = dict(_record(index, info, sizes) for index, info in stored.items())
+    tensor_metadata.check_ranges(tensor_metadata.ChunkEntry((), (), r.relative_path, r.offset, r.length, 0)
+                                 for r in records.values())
+    tensors = {fqn: _tensor(fqn, md, records) for fqn, md in state.items()}
+    return Metadata(state_dict_metadata=dict(tensors), storage_data=records)
 
 
-def _check_storage_info(index: Any, info: Any, sizes: dict[str, int]) -> None:
-    if not isinstance(index, MetadataIndex) or not isinstance(info, StorageInfo):
+def _fields(obj: Any, *names: str) -> tuple[Any, ...]:
+    """The values of ``obj``'s fields (None where one is missing): an unpickled object may lack any."""
+    return tuple(getattr(obj, name, None) for name in names)
+
+
+def _tensor(fqn: Any, md: Any, records: dict[MetadataIndex, StorageInfo]) -> TensorStorageMetadata:
+    """A checked tensor entry: a dtype the format stores, a size torch can hold, chunks that cover it exactly,
+    each with a record that holds at least the bytes the chunk claims (so what a load allocates is bounded by
+    the bytes the manifest lists)."""
+    def bad(what: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"{METADATA}: {str(fqn)[:80]!r}: {what}")
+
+    if not isinstance(fqn, str) or not isinstance(md, TensorStorageMetadata):
+        raise bad("not a tensor entry; refusing it (this engine only ever wrote tensors there)")
+    properties, size, chunks = _fields(md, "properties", "size", "chunks")
+    dtype = getattr(properties, "dtype", None) if isinstance(properties, TensorProperties) else None
+    if not isinstance(dtype, torch.dtype) or dtype not in shards.DTYPES.values():
+        raise bad("properties must be TensorProperties with a dtype the format stores")
+    if not tensor_metadata.int_list(size) or not tensor_metadata.fits_torch(size, dtype.itemsize):
+        raise bad("size must be a list of integers >= 0 that torch can hold (at most 2**63 bytes)")
+    if not isinstance(chunks, list) or not all(isinstance(c, ChunkStorageMetadata) for c in chunks):
+        raise bad("chunks must be a list of chunk entries")
+    boxes = []
+    for c in chunks:
+        offsets, sizes = _fields(c, "offsets", "sizes")
+        if not tensor_metadata.int_list(offsets, len(size)) or not tensor_metadata.int_list(sizes, len(size)) \
+                or any(o + n > d for o, n, d in zip(offsets, sizes, size)):
+            raise bad("a chunk lies outside the tensor")
+        record = records.get(MetadataIndex(fqn, offsets))
+        if record is None:
+            raise bad(f"the chunk at {list(offsets)} has no storage entry")
+        claimed = math.prod(sizes) * dtype.itemsize
+        if claimed > record.length:
+            raise bad(f"the chunk at {list(offsets)} claims {claimed} bytes, but its record holds only {record.length}")
+        boxes.append((torch.Size(offsets), torch.Size(sizes)))
+    tensor_metadata.check_cover(size, boxes, bad)
+    return TensorStorageMetadata(properties=TensorProperties(dtype=dtype), size=torch.Size(size),
+                                 chunks=[ChunkStorageMetadata(offsets=o, sizes=n) for o, n in boxes])
+
+
+def _record(index: Any, info: Any, sizes: dict[str, int]) -> tuple[MetadataIndex, StorageInfo]:
+    """A checked storage entry: where one chunk's record lies, inside a data file the manifest lists."""
+    fqn, offset = _fields(index, "fqn", "offset")
+    if not isinstance(index, MetadataIndex) or not isinstance(info, StorageInfo) or not isinstance(fqn, str) \
+            or not tensor_metadata.int_list(offset):
         raise CheckpointCorruptError(f"{METADATA}: malformed storage entry")
-    if info.relative_path not in sizes:
-        raise CheckpointCorruptError(f"{METADATA}: {str(index.fqn)[:80]!r} is stored in {str(info.relative_path)[:80]!r}, "
-                                     "which is not a data file listed in the manifest; refusing it")
-    if not (tensor_metadata.is_int(info.offset) and tensor_metadata.is_int(info.length) and info.offset >= 0 and info.length >= 0
-            and info.offset + info.length <= sizes[info.relative_path]) or info.transform_descriptors:
-        raise CheckpointCorruptError(f"{METADATA}: the bytes of {str(index.fqn)[:80]!r} lie outside "
-                                     f"{info.relative_path}")
+    path, start, length, transforms = _fields(info, "relative_path", "offset", "length", "transform_descriptors")
+    if not isinstance(path, str) or path not in sizes:
+        raise CheckpointCorruptError(f"{METADATA}: {fqn[:80]!r} is stored in {str(path)[:80]!r} (relative_path), which "
+                                     "is not a data file listed in the manifest; refusing it")
+    if not (is_int(start) and is_int(length) and 0 <= start and 0 <= length and start + length <= sizes[path]) \
+            or not (transforms is None or isinstance(transforms, (list, tuple)) and not transforms):
+        raise CheckpointCorruptError(f"{METADATA}: the bytes of {fqn[:80]!r} lie outside {path} (offset, length)")
+    return MetadataIndex(fqn, offset), StorageInfo(path, start, length)
 
 
 class _StorageAdapter(FsspecFileSystem):

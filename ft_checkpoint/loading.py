@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import math
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -35,8 +37,19 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from ft_checkpoint import checksum, layout, legacy, retry, shards
 from ft_checkpoint.dist import Groups
 from ft_checkpoint.errors import CheckpointCorruptError, StateMismatchError, StorageError
-from ft_checkpoint.state import Participants, StepFiles, load_tree_into, merge_tree, split_tree, to_tree
+from ft_checkpoint.state import (
+    Participants,
+    StepFiles,
+    check_depth,
+    check_rng_state,
+    load_tree_into,
+    merge_tree,
+    none_keys,
+    split_tree,
+    to_tree,
+)
 from ft_checkpoint.storage import Storage
+from ft_checkpoint.units import human_bytes
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +94,12 @@ class StepLoader:
         if not isinstance(rank_state, dict) or set(rank_state) != {"skeleton", "per_rank"} \
                 or not isinstance(rank_state["per_rank"], dict):
             raise CheckpointCorruptError(f"{name}: not an ft-checkpoint rank file")
+        try:
+            check_depth(rank_state)
+            if rank_state["per_rank"].get("rng") is not None:
+                check_rng_state(rank_state["per_rank"]["rng"])
+        except CheckpointCorruptError as e:
+            raise CheckpointCorruptError(f"{name}: {e}") from e
         return OpenedStep(manifest=manifest, metadata=metadata, rank_state=rank_state)
 
     def read_file(self, manifest: layout.Manifest, name: str) -> bytes:
@@ -104,18 +123,22 @@ class StepLoader:
     def load(self, opened: OpenedStep, tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """Load an opened step: ``(saved tree, this rank's per_rank state)``. Collective.
 
-        Tensors of ``tree`` (the current state) with a saved key are filled in place (DTensors are
-        resharded by DCP); a saved tensor the state lacks is read into a new CPU tensor. Every byte read
-        is checked against its chunk's CRC (format 1: the files were checked before).
+        Every tensor of ``tree`` (the current state) must come from the step (a strict load); each is
+        filled in place (DTensors are resharded by DCP). A saved tensor the state lacks is read into a new
+        CPU tensor. All this is checked before anything is allocated or read. Every byte read is checked
+        against its chunk's CRC (format 1: the files were checked before).
 
         Raises:
-            StateMismatchError: a saved tensor has another shape or dtype than the state's (nothing loaded).
-            CheckpointCorruptError: bytes that do not match their checksum, or a file that ends early.
+            StateMismatchError: a saved tensor has another shape or dtype than the state's, or the state has a
+                tensor the step never had (nothing loaded).
+            CheckpointCorruptError: the metadata leaves out a tensor the step's own state file records, the
+                tensors the state lacks would not fit in this machine's memory (nothing loaded); bytes that do
+                not match their checksum, or a file that ends early.
             StorageError: the storage failed (after retries).
         """
         step = opened.manifest.step
         current = split_tree(tree)[0]
-        targets = self._targets(opened.metadata, current)
+        targets = self._targets(opened.metadata, current, none_keys(opened.rank_state["skeleton"]))
         opened.touches = any(current.get(k) is t for k, t in targets.items())
         rel = layout.step_dir(step)
         def read() -> None:
@@ -132,32 +155,73 @@ class StepLoader:
         return merge_tree(rank_state["skeleton"], targets), rank_state["per_rank"]
 
     @staticmethod
-    def _targets(metadata: Metadata, current: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        targets: dict[str, torch.Tensor] = {}
-        mismatched = []
-        for key, md in metadata.state_dict_metadata.items():
-            if not isinstance(md, TensorStorageMetadata):
-                continue
-            have = current.get(key)
-            if have is None:
-                targets[key] = torch.empty(md.size, dtype=md.properties.dtype)
-            elif tuple(have.shape) != tuple(md.size) or have.dtype != md.properties.dtype:
-                mismatched.append(f"{key}: saved {list(md.size)} {md.properties.dtype}, the state has "
-                                  f"{list(have.shape)} {have.dtype}")
-            else:
-                targets[key] = have
+    def _targets(metadata: Metadata, current: Mapping[str, torch.Tensor],
+                 recorded: set[str]) -> dict[str, torch.Tensor]:
+        """What DCP loads into: the state's own tensors, and new ones for the saved tensors it lacks. Checked
+        first: every tensor of the state is in the step (``recorded``: where the step's own state file says a
+        tensor or a None was), with its shape and dtype; the new ones fit in this machine's memory."""
+        saved = {k: md for k, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+        _check_complete([k for k in current if k not in saved], recorded)
+        mismatched = [f"{key}: saved {list(md.size)} {md.properties.dtype}, the state has {list(have.shape)} {have.dtype}"
+                      for key, md in saved.items() if (have := current.get(key)) is not None
+                      and (tuple(have.shape) != tuple(md.size) or have.dtype != md.properties.dtype)]
         if mismatched:
-            raise StateMismatchError("the checkpoint's tensors do not fit the state: " + "; ".join(mismatched[:5])
-                                     + (f" (and {len(mismatched) - 5} more)" if len(mismatched) > 5 else ""))
-        return targets
+            raise StateMismatchError("the checkpoint's tensors do not fit the state: " + _first(mismatched))
+        fresh = {k: md for k, md in saved.items() if k not in current}
+        _check_memory(sum(math.prod(md.size) * md.properties.dtype.itemsize for md in fresh.values()))
+        return {**{k: current[k] for k in saved if k in current},
+                **{k: torch.empty(md.size, dtype=md.properties.dtype) for k, md in fresh.items()}}
+
+
+def _first(items: list[str], n: int = 5) -> str:
+    return "; ".join(items[:n]) + (f" (and {len(items) - n} more)" if len(items) > n else "")
+
+
+def _check_complete(missing: list[str], recorded: set[str]) -> None:
+    """Raise unless no tensor of the state is ``missing`` from the step: CheckpointCorruptError if the step's
+    state file records one where the metadata has none (the metadata was cut), else StateMismatchError (the
+    state gained a tensor since the save: the step is kept, an older one is tried)."""
+    cut = [k for k in missing if k in recorded]
+    if cut:
+        raise CheckpointCorruptError(
+            f"the tensor metadata lists no tensor {_first(cut)}, which the step's state file records: loading it "
+            "would leave those tensors at their current values")
+    if missing:
+        raise StateMismatchError(
+            f"the state has tensors the checkpoint does not: {_first(missing)}. HINT: pass the same state (keys, "
+            "shapes, dtypes) as the run that saved")
+
+
+def _check_memory(nbytes: int) -> None:
+    """CheckpointCorruptError if the tensors a load allocates (``nbytes``) exceed this machine's memory: no
+    training that ran here saved them (a size forged over a sparse file, say), and allocating would fail."""
+    memory = physical_memory()
+    if memory is not None and nbytes > memory:
+        raise CheckpointCorruptError(
+            f"the step's tensors that the state lacks would take {human_bytes(nbytes)}, more than this machine's "
+            f"memory ({human_bytes(memory)}); refusing to allocate them")
+
+
+def physical_memory() -> int | None:
+    """This machine's memory in bytes, or None where the OS does not say.
+
+    Example:
+        >>> physical_memory() > 0
+        True
+    """
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def load_state(loader: StepLoader, opened: OpenedStep, state: dict[str, Any], *, participants: Participants,
                per_rank: dict[str, Any] | None = None,
                check: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Load one opened step into ``state`` in place (and ``per_rank``); returns what the rank file held for this
-    rank (``{"rng": ..., "state": ...}``). ``check(saved_tree)`` may raise StateMismatchError to reject the step
-    before anything but tensors was loaded. A key saved but not in ``state`` is warned about, not loaded."""
+    rank (``{"rng": ..., "state": ...}``). ``check(saved_tree)`` may raise StateMismatchError (the step does not
+    fit) or CheckpointCorruptError (it is corrupt) to reject the step before anything but tensors was loaded.
+    A key saved but not in ``state`` is warned about, not loaded."""
     plain, parts = participants.split(state)
     tree, ranked = loader.load(opened, to_tree(plain))
     if check is not None:

@@ -320,7 +320,8 @@ class CheckpointManager:
         Stateful values get ``load_state_dict``; other values of ``state`` are replaced. ``per_rank`` gets
         this rank's own part (see :meth:`save`). The RNG states saved by this rank are restored
         (``restore_rng=False``: kept in :attr:`resumed_rng` for the caller to apply when it chooses).
-        ``check(saved_tree)`` may raise StateMismatchError to reject a step (the previous one is tried).
+        ``check(saved_tree)`` may raise StateMismatchError (or CheckpointCorruptError, which sets the step
+        aside) to reject a step (the previous one is tried).
         A step that fails anywhere is skipped with a warning and the previous one is tried (see ``resume``).
         """
         self._check_open()

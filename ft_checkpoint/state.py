@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ft_checkpoint.errors import ConfigError, StateMismatchError
+from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, StateMismatchError
 
 Path = tuple[Any, ...]
 
@@ -191,6 +191,50 @@ def merge_tree(skeleton: Any, tensors: Mapping[str, torch.Tensor], path: Path = 
     return skeleton
 
 
+MAX_DEPTH = 200
+"""The deepest nesting of dicts, lists and tuples a saved state may have (the functions here recurse)."""
+
+
+def check_depth(tree: Any, limit: int = MAX_DEPTH) -> None:
+    """Raise CheckpointCorruptError if ``tree`` nests dicts, lists and tuples deeper than ``limit`` (a forged
+    state file; walking it would exhaust the stack). Iterative, so any depth is checked.
+
+    Example:
+        >>> check_depth({"model": {"w": [1, 2]}})
+        >>> deep = []
+        >>> for _ in range(MAX_DEPTH + 1):
+        ...     deep = [deep]
+        >>> try:
+        ...     check_depth(deep)
+        ... except CheckpointCorruptError as e:
+        ...     print(e)
+        the state saved nests deeper than 200 levels
+    """
+    stack = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            raise CheckpointCorruptError(f"the state saved nests deeper than {limit} levels")
+        children = node.values() if isinstance(node, Mapping) else node if isinstance(node, (list, tuple)) else ()
+        stack.extend((child, depth + 1) for child in children)
+
+
+def none_keys(skeleton: Any, path: Path = ()) -> set[str]:
+    """The flat keys of a skeleton's None leaves: where :func:`split_tree` took a tensor out (or a None was).
+
+    Example:
+        >>> sorted(none_keys(split_tree({"model": {"w": torch.ones(1)}, "step": 3, "best": None})[1]))
+        ['best', 'model/w']
+    """
+    if skeleton is None:
+        return {tensor_key(path)} if path else set()
+    if isinstance(skeleton, Mapping):
+        return set().union(*(none_keys(v, (*path, k)) for k, v in skeleton.items()))
+    if isinstance(skeleton, (list, tuple)) and type(skeleton) in (list, tuple):
+        return set().union(*(none_keys(v, (*path, i)) for i, v in enumerate(skeleton)))
+    return set()
+
+
 def load_tree_into(state: dict[str, Any], tree: Mapping[str, Any]) -> list[str]:
     """Restore ``state`` in place from a loaded tree: ``load_state_dict`` on stateful values, else replace.
 
@@ -231,14 +275,63 @@ def rng_state() -> dict[str, Any]:
     return out
 
 
+def check_rng_state(state: Any) -> None:
+    """Raise CheckpointCorruptError unless :func:`set_rng_state` can restore ``state`` whole. Each saved state
+    is first set on a throwaway generator of its kind, which checks its size and type exactly as the real
+    one would: a bad one is found before any RNG of this process is touched.
+
+    Example:
+        >>> check_rng_state(rng_state())
+        >>> try:
+        ...     check_rng_state({**rng_state(), "python": [1]})
+        ... except CheckpointCorruptError as e:
+        ...     print(str(e)[:45])
+        the Python RNG state saved cannot be restored
+    """
+    if not isinstance(state, Mapping) or "torch" not in state or "python" not in state:
+        raise CheckpointCorruptError("the RNG states saved are not a dict with 'torch' and 'python' states")
+    checks: list[tuple[str, Callable[[], Any]]] = [
+        ("torch RNG state", lambda: torch.Generator().set_state(state["torch"])),
+        ("Python RNG state", lambda: random.Random().setstate(state["python"]))]
+    if "cuda" in state and torch.cuda.is_available():
+        checks.append(("CUDA RNG states", lambda: [torch.Generator(f"cuda:{i}").set_state(s)
+                                                   for i, s in _cuda_states(state["cuda"])]))
+    if "numpy" in state:
+        checks.append(("NumPy RNG state", lambda: _numpy().random.RandomState().set_state(_numpy_state(state["numpy"]))))
+    for what, check in checks:
+        try:
+            check()
+        except Exception as e:  # whatever the generator refuses it with: a size, a type, a length
+            raise CheckpointCorruptError(f"the {what} saved cannot be restored ({type(e).__name__}: {str(e)[:200]})") from e
+
+
 def set_rng_state(state: Mapping[str, Any]) -> None:
-    """Restore what :func:`rng_state` returned."""
+    """Restore what :func:`rng_state` returned. A state that cannot be restored raises CheckpointCorruptError
+    before any RNG is set (see :func:`check_rng_state`)."""
+    check_rng_state(state)
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        for i, cuda in _cuda_states(state["cuda"]):
+            torch.cuda.set_rng_state(cuda, i)
     if "numpy" in state:
-        import numpy as np
+        _numpy().random.set_state(_numpy_state(state["numpy"]))
 
-        name, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+def _cuda_states(states: Any) -> list[tuple[int, Any]]:
+    """``(device, state)`` for each saved CUDA state whose device exists here."""
+    if not isinstance(states, (list, tuple)):
+        raise TypeError(f"expected a list of states, got {type(states).__name__}")
+    return list(enumerate(states))[:torch.cuda.device_count()]
+
+
+def _numpy() -> Any:
+    import numpy
+
+    return numpy
+
+
+def _numpy_state(saved: Any) -> tuple[Any, ...]:
+    """What ``numpy.random.set_state`` takes, from the plain values :func:`rng_state` saved."""
+    name, keys, pos, has_gauss, cached = saved
+    return name, _numpy().asarray(keys, dtype=_numpy().uint32), pos, has_gauss, cached

@@ -4,12 +4,14 @@ Written by rank 0 at the commit (see ``shards``), listed and checksummed in the 
 never unpickles anything and never imports torch (``ft-checkpoint inspect`` uses it as it is). Before
 anything is loaded, :func:`parse` checks it against the step's data files as the manifest lists them:
 
-- every dtype is one of :data:`ITEMSIZE`, every size a list of integers;
+- every dtype is one of :data:`ITEMSIZE`, every size a list of at most :data:`MAX_DIMS` integers that
+  torch can hold (:func:`fits_torch`: ``torch.empty`` raises on an extent past 2**63 bytes, even empty);
 - every chunk lies inside its tensor, and the chunks of a tensor cover it exactly (no gap would leave
-  part of a tensor at its fresh-init values, no overlap);
+  part of a tensor at its fresh-init values, no overlap), checked in O(n log n) time and O(n) memory
+  for n chunks (:func:`check_cover`);
 - every chunk's file is a data file the manifest lists, its byte range lies inside that file and
-  matches the chunk's size, and no two chunks share bytes: so what a load allocates is bounded by the
-  bytes the manifest lists.
+  matches the chunk's size, and no two chunks share bytes: so the elements of every tensor are bounded
+  by the bytes the manifest lists.
 
 Example:
     >>> doc = {"format": FORMAT, "version": 1, "tensors": {"w": {"dtype": "float32", "size": [2, 2], "chunks": [
@@ -29,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ft_checkpoint import checksum
@@ -38,9 +40,11 @@ from ft_checkpoint.jsonfile import is_int
 
 NAME = "metadata.json"
 FORMAT = "ft-checkpoint-tensors"
-MAX_CELLS = 10**7
-"""At most this many grid cells when checking that a tensor's chunks cover it exactly."""
 MAX_DIMS = 64
+"""At most this many dimensions per tensor."""
+MAX_EXTENT = 2**63 - 1
+"""The most bytes a size may span (its dimensions' product, an empty one counted as 1): torch computes
+sizes and strides in signed 64-bit integers and refuses more, even for a tensor with no element."""
 ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint16": 2, "uint32": 4,
             "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "complex32": 4, "complex64": 8,
             "complex128": 16, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
@@ -112,6 +116,16 @@ def int_list(v: Any, n: int | None = None) -> bool:
             and all(is_int(x) and x >= 0 for x in v))
 
 
+def fits_torch(size: Iterable[int], itemsize: int) -> bool:
+    """Whether torch can make a tensor of ``size`` (dimensions >= 0): see :data:`MAX_EXTENT`.
+
+    Example:
+        >>> fits_torch([1024, 1024], 4), fits_torch([0, 2**64], 4), fits_torch([2**62, 2**62, 0], 1)
+        (True, False, False)
+    """
+    return math.prod(max(d, 1) for d in size) * itemsize <= MAX_EXTENT
+
+
 def _tensor(fqn: Any, entry: Any, files: dict[str, int]) -> TensorEntry:
     def bad(what: str) -> CheckpointCorruptError:
         return CheckpointCorruptError(f"{NAME}: tensor {str(fqn)[:80]!r}: {what}")
@@ -123,6 +137,8 @@ def _tensor(fqn: Any, entry: Any, files: dict[str, int]) -> TensorEntry:
     if not int_list(entry["size"]) or not isinstance(entry["chunks"], list):
         raise bad("size must be a list of integers >= 0 and chunks a list")
     size = tuple(entry["size"])
+    if not fits_torch(size, ITEMSIZE[entry["dtype"]]):
+        raise bad(f"size {list(size)} is too large for a tensor (more than 2**63 bytes)")
     chunks = tuple(_chunk(c, size, ITEMSIZE[entry["dtype"]], files, bad) for c in entry["chunks"])
     check_cover(size, [(c.offsets, c.sizes) for c in chunks], bad)
     return TensorEntry(dtype=entry["dtype"], size=size, chunks=chunks)
@@ -151,41 +167,53 @@ def _chunk(c: Any, shape: tuple[int, ...], itemsize: int, files: dict[str, int],
 
 
 def check_cover(shape: Iterable[int], boxes: list[tuple[Any, Any]], bad: Callable[[str], Exception]) -> None:
-    """Raise ``bad(...)`` unless the boxes ``(offsets, sizes)`` tile a tensor of ``shape`` exactly: no gap
-    (a part left at its current values), no overlap.
+    """Raise ``bad(...)`` unless the boxes ``(offsets, sizes)``, each inside a tensor of ``shape``, tile it
+    exactly: no gap (a part left at its current values), no overlap.
+
+    The boxes are split into slabs along the first dimension in which they differ from the whole, and each
+    slab likewise along a later dimension: DCP's chunks (one per shard of a DTensor, a grid) always split
+    so. Each box is looked at once per dimension it splits, so n boxes take O(n log n) time and O(n)
+    memory. An exact cover that is not a grid of slabs is refused too: DCP never writes one.
 
     Example:
-        >>> check_cover([4], [([0], [2]), ([2], [2])], ValueError)
+        >>> check_cover([4, 2], [([0, 0], [2, 2]), ([2, 0], [2, 1]), ([2, 1], [2, 1])], ValueError)
         >>> check_cover([4], [([0], [2]), ([1], [3])], ValueError)
         Traceback (most recent call last):
-        ValueError: chunks overlap (at [1])
+        ValueError: chunks overlap, or do not form the grid DCP writes (at [1])
     """
-    shape = list(shape)
+    shape = tuple(shape)
     if math.prod(shape) == 0:
         return
-    boxes = [(o, n) for o, n in boxes if math.prod(n) > 0]
-    cuts = [sorted({0, d} | {o[k] for o, _ in boxes} | {o[k] + n[k] for o, n in boxes}) for k, d in enumerate(shape)]
-    cells = math.prod(len(c) - 1 for c in cuts)
-    if cells > MAX_CELLS:
-        raise bad("too many chunks to check")
-    covered: set[tuple[int, ...]] = set()
-    for offsets, sizes in boxes:
-        ranges = [range(cut.index(o), cut.index(o + n)) for cut, o, n in zip(cuts, offsets, sizes)]
-        for cell in _product(ranges):
-            if cell in covered:
-                raise bad(f"chunks overlap (at {list(offsets)})")
-            covered.add(cell)
-    if len(covered) != cells:
-        raise bad("its chunks do not cover the whole tensor (part of it would keep its current values)")
+    work = [([(tuple(o), tuple(n)) for o, n in boxes if math.prod(n) > 0], 0)]
+    while work:
+        group, dim = work.pop()
+        split = next((d for d in range(dim, len(shape)) if any(b[0][d] or b[1][d] != shape[d] for b in group)), None)
+        if split is not None:
+            work.extend((slab, split + 1) for slab in _slabs(group, split, shape[split], bad))
+        elif not group:
+            raise bad(_GAP)
+        elif len(group) > 1:
+            raise bad(f"chunks overlap (at {list(group[1][0])})")
 
 
-def _product(ranges: list[range]) -> Iterator[tuple[int, ...]]:
-    if not ranges:
-        yield ()
-        return
-    for i in ranges[0]:
-        for rest in _product(ranges[1:]):
-            yield (i, *rest)
+_GAP = "its chunks do not cover the whole tensor (part of it would keep its current values)"
+
+
+def _slabs(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], dim: int, extent: int,
+           bad: Callable[[str], Exception]) -> list[list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """The boxes grouped by their interval along ``dim``; the intervals must tile ``[0, extent)``."""
+    slabs: dict[tuple[int, int], list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+    for box in boxes:
+        slabs.setdefault((box[0][dim], box[1][dim]), []).append(box)
+    end = 0
+    for start, size in sorted(slabs):
+        if start != end:
+            raise bad(_GAP if start > end else
+                      f"chunks overlap, or do not form the grid DCP writes (at {list(slabs[start, size][0][0])})")
+        end = start + size
+    if end != extent:
+        raise bad(_GAP)
+    return list(slabs.values())
 
 
 def check_ranges(chunks: Iterable[Any]) -> None:

@@ -7,8 +7,10 @@ names a file and the arena ranges to write into it, in order; the answer is one 
 The child runs at the priority ``writer_priority`` (a nice value), which works for a process where it
 does not for a thread that holds the GIL.
 
-The child is a fresh interpreter (``python -m ft_checkpoint.writer_process``), not a fork or a
-``multiprocessing`` spawn: those would import the training script again. It never imports torch. It
+The child is a fresh, isolated interpreter (:func:`command`), not a fork or a ``multiprocessing`` spawn:
+those would import the training script again. It imports only what the training imports, from the
+training's own ``sys.path``: never a module that happens to lie in the working directory. It never
+imports torch. It
 exits when its parent's pipe closes, so a killed training process leaves no writer behind. Requests
 and answers are length-prefixed pickles on the child's stdin and stdout (both ends are ours).
 
@@ -42,6 +44,22 @@ log = logging.getLogger(__name__)
 _HEADER = struct.Struct("<Q")
 
 
+def command() -> list[str]:
+    """How the writer process is started: an isolated interpreter (``-I``: no working directory or script
+    directory on its import path, no user site-packages, no ``PYTHON*`` variables) given this process's
+    ``sys.path``, so that it imports the modules the training imports, from where the training imports them.
+
+    Example:
+        >>> command()[1:3]
+        ['-I', '-c']
+    """
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where this ft_checkpoint lies
+    path = [p for p in sys.path if isinstance(p, str)]
+    path += [here] if here not in path else []
+    start = f"import sys; sys.path[:] = {path!r}; from ft_checkpoint.writer_process import main; main()"
+    return [sys.executable, "-I", "-c", start]
+
+
 def send(f: IO[bytes], obj: Any) -> None:
     data = pickle.dumps(obj)
     f.write(_HEADER.pack(len(data)) + data)
@@ -68,10 +86,7 @@ class WriterProcess:
     """
 
     def __init__(self, storage: Storage, arena_fd: int, arena_size: int, *, priority: int = 0) -> None:
-        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "ft_checkpoint.writer_process"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, pass_fds=[arena_fd], env=env)
+        self.proc = subprocess.Popen(command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=[arena_fd])
         self._lock = threading.Lock()
         self._request("init", storage.url, storage.storage_options, storage.retries, arena_fd, arena_size, priority)
 

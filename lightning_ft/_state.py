@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ft_checkpoint.errors import ConfigError
+from ft_checkpoint.errors import CheckpointCorruptError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,29 @@ def from_core(tree: Any) -> Any:
     if isinstance(tree, tuple):
         return tuple(from_core(v) for v in tree)
     return tree
+
+
+def check_model_tensors(tree: Mapping[str, Any]) -> None:
+    """Raise CheckpointCorruptError if the saved model state (``tree["lightning"]["state_dict"]``, as loaded by
+    the core) holds None where a tensor belongs: the step's metadata left that tensor out, and Lightning's
+    ``load_state_dict`` would raise on every restart. The resume skips the step instead.
+
+    Example:
+        >>> check_model_tensors({"lightning": {"state_dict": {"w": torch.ones(1)}}})
+        >>> try:
+        ...     check_model_tensors({"lightning": {"state_dict": {"w": None}}})
+        ... except CheckpointCorruptError as e:
+        ...     print(str(e)[:50])
+        the step's metadata lists no tensor for state_dict
+    """
+    saved = tree.get("lightning", {}).get("state_dict") if isinstance(tree.get("lightning"), Mapping) else None
+    if not isinstance(saved, Mapping):  # DeepSpeed saves the model as files of its own
+        return
+    missing = [str(k) for k, v in saved.items() if v is None and not str(k).endswith("_extra_state")]
+    if missing:
+        raise CheckpointCorruptError(
+            f"the step's metadata lists no tensor for state_dict {', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''}, which the step's state file records: the metadata was cut")
 
 
 def encode_tensor(t: torch.Tensor) -> dict[str, Any]:

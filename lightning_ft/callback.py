@@ -39,7 +39,7 @@ from lightning_ft import _messages as messages
 from lightning_ft._data import EpochStart
 from lightning_ft._on_exception import SafePoints, run_within
 from lightning_ft._snapshot import Snapshots
-from lightning_ft._state import from_core
+from lightning_ft._state import check_model_tensors, from_core
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -306,7 +306,7 @@ class FaultTolerantCheckpoint(Checkpoint):
                          str(ckpt_path), self.manager.storage.url)
             return None
         state: dict[str, Any] = {"lightning": {}, "loader": {}, **self._snapshots.engine_state(trainer)}
-        step = self.manager.resume(state, restore_rng=False)  # applied once the data is back in place
+        step = self.manager.resume(state, restore_rng=False, check=check_model_tensors)  # RNG: once the data is back
         if step is None:
             return None
         self.resumed_from = step

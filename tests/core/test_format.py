@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -90,3 +92,24 @@ def test_the_writer_process_runs_at_the_priority_asked_for_and_is_replaced_if_it
     with CheckpointManager(url) as ckpt:
         assert ckpt.resume(resumed) == 2
     assert torch.equal(resumed["w"], torch.arange(1000.0) + 1)
+
+
+def test_the_writer_process_imports_nothing_from_the_working_directory(tmp_path):
+    """A ``tenacity.py`` planted in the directory a training runs from: the training imports the real one (its
+    script's directory, not the working directory, is on its path); the writer process, started with ``-m``,
+    had the working directory first on its path and ran the planted one."""
+    scripts, workdir, marker = tmp_path / "scripts", tmp_path / "work", tmp_path / "planted-module-ran"
+    scripts.mkdir()
+    workdir.mkdir()
+    (workdir / "tenacity.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    (scripts / "train.py").write_text(
+        "import sys\nimport torch\nfrom ft_checkpoint import CheckpointManager\n"
+        "with CheckpointManager(sys.argv[1], interval=1, writer='process', announce=False) as ckpt:\n"
+        "    ckpt.save(1, {'w': torch.arange(1000.0)}, block=True)\n"
+        "    assert ckpt.engine.writer_pids\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, str(scripts / "train.py"), str(tmp_path / "ckpt")], cwd=workdir, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not marker.exists(), "the writer process ran a module from the training's working directory"
+    assert layout.read_manifest(Storage(str(tmp_path / "ckpt")), 1).step == 1

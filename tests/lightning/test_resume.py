@@ -7,6 +7,7 @@ each resume is a new Trainer, model and datamodule, as after a restart.
 from __future__ import annotations
 
 import csv
+import json
 import logging
 import os
 
@@ -16,6 +17,7 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from ft_checkpoint import ConfigError, StateMismatchError, layout
+from ft_checkpoint.storage import Storage
 from lightning_ft import FaultTolerantCheckpoint
 from lightning_ft.testing import assert_same, final_state, fit
 
@@ -158,3 +160,30 @@ def test_bad_config_fails_at_construction():
         FaultTolerantCheckpoint("/tmp/x", keep_lst=2)
     with pytest.raises(ConfigError, match="keep_last"):
         FaultTolerantCheckpoint("/tmp/x", keep_last=0)
+
+
+def test_a_tensor_left_out_of_the_metadata_falls_back_to_the_previous_step(tmp_path, caplog, reference):
+    """metadata.json of the newest step without one weight, its manifest entry recomputed (as anyone who can
+    write the directory can): every restart raised in Lightning's load_state_dict ("expected torch.Tensor
+    ... received NoneType"). Now the step is skipped, with a warning naming the tensor, and set aside."""
+    _, _, _, crashed = fit([ft(tmp_path / "ckpt")], crash_at=22)
+    assert crashed
+    storage = Storage(str(tmp_path / "ckpt"))
+    rel = layout.step_dir(20)
+    doc = json.loads(storage.read_bytes(f"{rel}/{layout.METADATA}"))
+    dropped = next(k for k in doc["tensors"] if k.startswith("lightning/state_dict/"))
+    del doc["tensors"][dropped]
+    data = json.dumps(doc).encode()
+    storage.write_bytes(f"{rel}/{layout.METADATA}", data)
+    manifest = json.loads(storage.read_bytes(f"{rel}/{layout.MANIFEST}"))
+    manifest["files"][layout.METADATA] = {"size": len(data), "checksum": layout.checksum([data])}
+    storage.write_bytes(f"{rel}/{layout.MANIFEST}", json.dumps(manifest).encode())
+
+    cb = ft(tmp_path / "ckpt")
+    with caplog.at_level(logging.WARNING):
+        model, data_module, trainer, _ = fit([cb])
+    assert cb.resumed_from == 16
+    warning = next(r.getMessage() for r in caplog.records if "skipping step 20" in r.getMessage())
+    assert dropped.removeprefix("lightning/state_dict/") in warning, warning
+    assert_same(reference[0], final_state(model, trainer))  # saved step 20 again and went on to the end
+    assert data_module.train_epochs == reference[1]
