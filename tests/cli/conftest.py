@@ -38,12 +38,15 @@ def cli_json(*args: Any, env: dict[str, str] | None = None, rc: int = 0) -> Any:
     return json.loads(proc.stdout)
 
 
-def run_in_terminal(cmd: list[str], env: dict[str, str] | None = None) -> tuple[int, str]:
-    """Run ``cmd`` with stdout and stderr on a pseudo-terminal 150 columns wide; its exit code and what it drew."""
+def open_terminal() -> tuple[int, int]:
+    """A pseudo-terminal 150 columns wide (a new one has 0, where tqdm draws nothing): ``(leader, follower)``."""
     leader, follower = pty.openpty()
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 150, 0, 0))  # a new one has 0 columns
-    proc = subprocess.Popen(cmd, stdout=follower, stderr=follower, cwd=ROOT, env={**os.environ, **(env or {})})
-    os.close(follower)
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 150, 0, 0))
+    return leader, follower
+
+
+def drawn(leader: int) -> str:
+    """Everything written to the terminal of ``leader`` until its follower closed; closes ``leader``."""
     out = b""
     while True:
         try:
@@ -54,7 +57,16 @@ def run_in_terminal(cmd: list[str], env: dict[str, str] | None = None) -> tuple[
             break
         out += chunk
     os.close(leader)
-    return proc.wait(timeout=TIMEOUT), out.decode(errors="replace")
+    return out.decode(errors="replace")
+
+
+def run_in_terminal(cmd: list[str], env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run ``cmd`` with stdout and stderr on a pseudo-terminal; its exit code and what it drew."""
+    leader, follower = open_terminal()
+    proc = subprocess.Popen(cmd, stdout=follower, stderr=follower, cwd=ROOT, env={**os.environ, **(env or {})})
+    os.close(follower)
+    text = drawn(leader)
+    return proc.wait(timeout=TIMEOUT), text
 
 
 @dataclasses.dataclass
