@@ -50,6 +50,7 @@ from torch import nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import ft_checkpoint.testing.faults  # noqa: E402, F401 - registers faulty:// (--transient-rate) in this process
 
 FRAMEWORKS = ("core", "lightning", "accelerate")
 INTERVAL, KEEP = 4, 2

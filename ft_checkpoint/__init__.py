@@ -16,26 +16,21 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 _EXPORTS = {
-    "CheckpointConfig": "ft_checkpoint.config",
-    "parse_duration": "ft_checkpoint.units",
     "CheckpointManager": "ft_checkpoint.manager",
-    "CheckpointEngine": "ft_checkpoint.engine",
+    "CheckpointConfig": "ft_checkpoint.config",
     "SaveStats": "ft_checkpoint.engine",
-    "Storage": "ft_checkpoint.storage",
-    "SaveContext": "ft_checkpoint.policy",
     "SavePolicy": "ft_checkpoint.policy",
     "EveryNSteps": "ft_checkpoint.policy",
     "EveryInterval": "ft_checkpoint.policy",
     "OnPreemption": "ft_checkpoint.policy",
     "AnyOf": "ft_checkpoint.policy",
-    "Manifest": "ft_checkpoint.layout",
-    "Journal": "ft_checkpoint.journal",
-    "read_journal": "ft_checkpoint.journal",
+    "DeepSpeedState": "ft_checkpoint.deepspeed",
     "check_step": "ft_checkpoint.layout",
-    "apply_retention": "ft_checkpoint.retention",
+    "read_journal": "ft_checkpoint.journal",
+    "parse_duration": "ft_checkpoint.units",
     "FTCheckpointError": "ft_checkpoint.errors",
     "ConfigError": "ft_checkpoint.errors",
     "StorageError": "ft_checkpoint.errors",
@@ -44,14 +39,15 @@ _EXPORTS = {
     "LeaseError": "ft_checkpoint.errors",
     "StateMismatchError": "ft_checkpoint.errors",
     "Preempted": "ft_checkpoint.errors",
-    "DeepSpeedState": "ft_checkpoint.deepspeed",
 }
+"""What users call, by name, and its module. Internals (``CheckpointEngine``, ``Storage``, ``Journal``, ``SaveContext``,
+``Manifest``, ``apply_retention``, ...) are imported from their own modules."""
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
     from ft_checkpoint.config import CheckpointConfig
     from ft_checkpoint.deepspeed import DeepSpeedState
-    from ft_checkpoint.engine import CheckpointEngine, SaveStats
+    from ft_checkpoint.engine import SaveStats
     from ft_checkpoint.errors import (
         CheckpointCorruptError,
         ConfigError,
@@ -62,12 +58,10 @@ if TYPE_CHECKING:
         StateMismatchError,
         StorageError,
     )
-    from ft_checkpoint.journal import Journal, read_journal
-    from ft_checkpoint.layout import Manifest, check_step
+    from ft_checkpoint.journal import read_journal
+    from ft_checkpoint.layout import check_step
     from ft_checkpoint.manager import CheckpointManager
-    from ft_checkpoint.policy import AnyOf, EveryInterval, EveryNSteps, OnPreemption, SaveContext, SavePolicy
-    from ft_checkpoint.retention import apply_retention
-    from ft_checkpoint.storage import Storage
+    from ft_checkpoint.policy import AnyOf, EveryInterval, EveryNSteps, OnPreemption, SavePolicy
     from ft_checkpoint.units import parse_duration
 
 

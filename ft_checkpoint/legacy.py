@@ -1,4 +1,4 @@
-"""Reading format-1 steps: DCP's own shard format, with a pickled ``.metadata`` (ft-checkpoint 0.1).
+"""Reading format-1 steps: DCP's own shard format, with a pickled ``.metadata`` (written by ft-checkpoint 0.1.0).
 
 New saves never write this format (see ``shards``); it is read so that checkpoints written before keep
 loading. Two things make it safe to read from a directory someone else can write:

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from ft_checkpoint import checksum, layout, legacy, retry, shards
 from ft_checkpoint.dist import Groups
 from ft_checkpoint.errors import CheckpointCorruptError, StateMismatchError, StorageError
+from ft_checkpoint.progress import Progress
 from ft_checkpoint.state import (
     Participants,
     StepFiles,
@@ -142,9 +143,11 @@ class StepLoader:
         opened.touches = any(current.get(k) is t for k, t in targets.items())
         rel = layout.step_dir(step)
         def read() -> None:
-            reader = (legacy.LegacyReader(self.storage, rel, opened.metadata) if legacy.is_legacy(opened.manifest)
-                      else shards.ShardReader(self.storage, rel, opened.metadata))
-            dcp.load(targets, storage_reader=reader, process_group=self.groups.writer, no_dist=not self.groups.distributed)
+            with Progress(f"loading step {step}", enabled=self.groups.rank == 0) as progress:
+                reader = (legacy.LegacyReader(self.storage, rel, opened.metadata) if legacy.is_legacy(opened.manifest)
+                          else shards.ShardReader(self.storage, rel, opened.metadata, progress=progress))
+                dcp.load(targets, storage_reader=reader, process_group=self.groups.writer,
+                         no_dist=not self.groups.distributed)
 
         try:
             retry.retrying(self.storage, "loading", step)(read)

@@ -56,7 +56,7 @@ from ft_checkpoint.state import (
     to_tree,
 )
 from ft_checkpoint.storage import Storage
-from ft_checkpoint.units import human_bytes, parse_duration
+from ft_checkpoint.units import human_bytes, human_seconds, parse_duration
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,8 @@ class CheckpointManager:
         self.watcher = PreemptionWatcher(c.preemption_signals, end_time=self.slurm.end_time if self.slurm else None,
                                          margin=parse_duration(c.end_time_margin))
         self.journal.record("attempt_start", world_size=self.groups.world_size,
-                            progress_interval=parse_duration(c.progress_interval), preemption_signals=self.watcher.signals)
+                            progress_interval=0.0 if self.journal.notes_every_step else parse_duration(c.progress_interval),
+                            preemption_signals=self.watcher.signals)
         if self.adaptive is not None and self.rank == 0:
             self.adaptive.observe_journal(attempt_summaries(self.storage))
         self._cost = CostMeter()
@@ -350,9 +351,10 @@ class CheckpointManager:
         self.resumed_from = self._events.last_committed = manifest.step
         self.journal.record("resume", step=manifest.step, seconds=seconds, bytes=manifest.total_bytes)
         if self.rank == 0:
-            log.info("resuming from step %d (%s): %s verified and loaded in %.1f s", manifest.step,
-                     self.storage.url_of(layout.step_dir(manifest.step)), human_bytes(manifest.total_bytes), seconds)
-        self._announce_start(f"{human_bytes(manifest.total_bytes)} verified and loaded in {seconds:.1f} s")
+            log.info("resuming from step %d (%s): %s verified and loaded in %s", manifest.step,
+                     self.storage.url_of(layout.step_dir(manifest.step)), human_bytes(manifest.total_bytes),
+                     human_seconds(seconds))
+        self._announce_start(f"{human_bytes(manifest.total_bytes)} verified and loaded in {human_seconds(seconds)}")
         return manifest.step
 
     def latest(self) -> int | None:

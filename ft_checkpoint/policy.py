@@ -159,7 +159,7 @@ def describe_policy(policy: SavePolicy) -> str:
         'a save every 30 min'
     """
     from ft_checkpoint.adaptive.policy import AdaptiveInterval
-    from ft_checkpoint.units import human_seconds
+    from ft_checkpoint.units import every, human_seconds
 
     adaptive = find_policy(policy, AdaptiveInterval)
     if adaptive is not None:
@@ -170,7 +170,7 @@ def describe_policy(policy: SavePolicy) -> str:
                 "interval= (steps or a duration) to choose")
     fixed = find_policy(policy, EveryNSteps) or find_policy(policy, EveryInterval)
     if isinstance(fixed, EveryNSteps):
-        return f"a save every {fixed.n} steps"
+        return f"a save {every(fixed.n, 'step')}"
     if isinstance(fixed, EveryInterval):
         return f"a save every {human_seconds(fixed.seconds)}"
     return f"saves when {policy!r} says so"

@@ -1,8 +1,9 @@
 """Whole-save and whole-load retries after transient errors, and DCP's exceptions made readable.
 
-Each storage call is retried on its own already (``Storage``); what is retried here is a whole save or
-load whose failure was transient on some rank. DCP wraps the ranks' exceptions in a
-``CheckpointException`` (a ``BaseException``): :func:`describe` turns it into one line per rank.
+Each storage call is retried on its own already (``Storage``), and the :class:`StorageError` it ends with is
+final (``storage.is_transient`` says no), so that one layer retries: what is retried here is a whole save or
+load whose failure was transient on some rank outside those calls (a read stream broken halfway). DCP wraps
+the ranks' exceptions in a ``CheckpointException`` (a ``BaseException``): :func:`describe` turns it into one line per rank.
 
 Example:
     >>> from ft_checkpoint.errors import CheckpointCorruptError

@@ -62,6 +62,7 @@ from torch.futures import Future
 
 from ft_checkpoint import checksum, layout, tensor_metadata
 from ft_checkpoint.errors import CheckpointCorruptError, SaveError
+from ft_checkpoint.progress import Progress
 from ft_checkpoint.staging import Arena, padded
 from ft_checkpoint.storage import IO_SLICE, Storage
 
@@ -306,11 +307,12 @@ class ShardReader(StorageReader):
         storage: The checkpoint directory.
         rel: The step directory.
         metadata: What :func:`parse_metadata` returned (already checked against the manifest).
+        progress: Told how many bytes this rank reads, and each slice as it is read (a long resume shows it).
     """
 
-    def __init__(self, storage: Storage, rel: str, metadata: Metadata) -> None:
+    def __init__(self, storage: Storage, rel: str, metadata: Metadata, *, progress: Progress | None = None) -> None:
         super().__init__()
-        self.storage, self.rel, self.metadata = storage, rel, metadata
+        self.storage, self.rel, self.metadata, self.progress = storage, rel, metadata, progress
         self.bytes_read = 0
         self._stored = {MetadataIndex(fqn, c.offsets): c.sizes for fqn, md in metadata.state_dict_metadata.items()
                         for c in getattr(md, "chunks", ())}
@@ -341,6 +343,8 @@ class ShardReader(StorageReader):
                 raise CheckpointCorruptError(f"{item.storage_index.fqn}: only tensors are read from shard files")
             per_file.setdefault(self._chunk(item).file, []).append(item)
         jobs = [(f"{self.rel}/{name}", items) for name, items in sorted(per_file.items())]
+        if self.progress is not None:
+            self.progress.set_total(sum(self._chunk(item).length for item in plan.items))
 
         def read(job: tuple[str, list[ReadItem]]) -> None:
             self.storage.call("read", job[0], self._read_file, job[0], job[1], planner)
@@ -388,6 +392,8 @@ class ShardReader(StorageReader):
             piece = view[start:start + IO_SLICE]
             _read_exactly(f, piece, rel)
             crc = checksum.crc32c_of(piece, crc)
+            if self.progress is not None:
+                self.progress.update(len(piece))
         self.bytes_read += len(view)
         if crc != chunk.crc32c:
             raise CheckpointCorruptError(f"{self.storage.url_of(rel)}: bytes [{chunk.offset}, {chunk.offset + chunk.length}) "

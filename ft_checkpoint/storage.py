@@ -2,8 +2,10 @@
 
 Any local path or fsspec URL works (``/data/run``, ``file://``, ``memory://``, ``gs://`` with gcsfs,
 ``s3://`` with s3fs, ...). Transient errors (timeouts, 5xx, throttling, connection resets) are retried
-with bounded exponential backoff and jitter (tenacity); permanent ones (missing bucket, bad
-credentials, malformed URL) fail at once with a message naming the URL and what to check.
+with bounded exponential backoff and jitter (tenacity), by this layer only (the clients' own retries are off:
+``client_retries``), within :data:`RETRY_WINDOW` seconds, with one warning; permanent ones (a host name that does
+not resolve, a refused connection, missing credentials, a missing bucket, a permission error, a malformed URL)
+fail at once with one message naming the URL and what to check.
 
 Object stores have no append and no atomic rename, so a step is made visible by writing its manifest
 last, in one ``put`` (see ``layout``). On local disk :meth:`Storage.write_bytes` writes to a temporary
@@ -30,7 +32,9 @@ import errno
 import logging
 import os
 import posixpath
+import socket
 import struct
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, TypeVar
@@ -42,6 +46,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from ft_checkpoint.buffer_pool import BufferPool
 from ft_checkpoint.checksum import combine_all, crc32c_of, crcs_while_writing
+from ft_checkpoint.client_retries import single_attempt, single_attempt_options
 from ft_checkpoint.errors import (
     ConfigError,
     FTCheckpointError,
@@ -50,6 +55,7 @@ from ft_checkpoint.errors import (
     StoragePermissionError,
 )
 from ft_checkpoint.memory_fs import LockedMemoryFileSystem
+from ft_checkpoint.units import human_seconds, plural
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -79,23 +85,58 @@ _TRANSIENT_NAMES = frozenset({
 })
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _TRANSIENT_ERRNO = frozenset({errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.EPIPE, errno.EBUSY})
+# botocore's and google-auth's "no credentials" errors, by name (neither is imported here).
+_CREDENTIAL_NAMES = frozenset({"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
+                               "DefaultCredentialsError"})
+_DENIED_STATUS = frozenset({401, 403})
+RETRY_WINDOW = 60.0
+"""Seconds from an operation's first attempt after which a transient error is no longer retried (whatever
+``retries`` says): a store that stays down is reported within about this long, never after minutes."""
 _LOCAL_PROTOCOLS = frozenset({"file", "local"})
 _BUCKET_PROTOCOLS = frozenset({"gs", "gcs", "s3", "s3a"})
 _EXTRAS = {"gs": "gcs", "gcs": "gcs", "s3": "s3", "s3a": "s3"}
 
 
-def is_transient(exc: BaseException) -> bool:
-    """Whether ``exc`` (or an exception it was raised from) is worth retrying.
-
-    Example:
-        >>> is_transient(TimeoutError()), is_transient(FileNotFoundError("x"))
-        (True, False)
-    """
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and the exceptions it was raised from or while handling, outermost first."""
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def unreachable(exc: BaseException) -> str | None:
+    """Why the store cannot be reached at all, or None: a host name that does not resolve, a refused connection
+    (nothing listens there), or no credentials. Permanent: another attempt would fail the same way.
+
+    Example:
+        >>> unreachable(ConnectionRefusedError(111, "Connection refused")), unreachable(TimeoutError())
+        ('connection refused', None)
+    """
+    for e in _chain(exc):
+        if isinstance(e, socket.gaierror):
+            return "host name does not resolve"
+        if isinstance(e, ConnectionRefusedError) or (isinstance(e, OSError) and e.errno == errno.ECONNREFUSED):
+            return "connection refused"
+        if any(c.__name__ in _CREDENTIAL_NAMES for c in type(e).__mro__):
+            return "no credentials"
+    return None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is worth retrying. A :class:`StorageError` is
+    final: its operation was retried already, by one layer (this module).
+
+    Example:
+        >>> is_transient(TimeoutError()), is_transient(FileNotFoundError("x")), is_transient(ConnectionRefusedError())
+        (True, False, False)
+    """
+    if unreachable(exc):
+        return False
+    for e in _chain(exc):
+        if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, StorageError)):
             return False
         if isinstance(e, (TimeoutError, ConnectionError)):
             return True
@@ -103,11 +144,24 @@ def is_transient(exc: BaseException) -> bool:
             return True
         if any(c.__name__ in _TRANSIENT_NAMES for c in type(e).__mro__):
             return True
-        status = getattr(e, "code", None) or getattr(e, "status", None)
-        if isinstance(status, int) and status in _TRANSIENT_STATUS:
+        if _status(e) in _TRANSIENT_STATUS:
             return True
-        e = e.__cause__ or e.__context__
     return False
+
+
+def _status(e: BaseException) -> int | None:
+    """The HTTP status an exception carries (gcsfs's ``code``, aiohttp's ``status``, botocore's ``response``), if any."""
+    status = getattr(e, "code", None) or getattr(e, "status", None)
+    response = getattr(e, "response", None)
+    if status is None and isinstance(response, dict) and isinstance(response.get("ResponseMetadata"), dict):
+        status = response["ResponseMetadata"].get("HTTPStatusCode")
+    return status if isinstance(status, int) else None
+
+
+def _denied(exc: BaseException) -> bool:
+    """A permission error, as Python, an HTTP status (401, 403) or gcsfs's ``OSError("Forbidden: ...")`` says it."""
+    return any(isinstance(e, PermissionError) or _status(e) in _DENIED_STATUS
+               or (type(e) is OSError and str(e).startswith("Forbidden")) for e in _chain(exc))
 
 
 def make_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -129,8 +183,9 @@ def make_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> 
             f"dirpath={url!r} contains one of {''.join(sorted(GLOB_CHARACTERS))}, which fsspec expands as a pattern on "
             "some stores (a delete in 'runs/sweep[1]' would also match 'runs/sweep1'). HINT: use a name without them, "
             "e.g. 'runs/sweep-1'")
+    options = single_attempt_options(url.split("://", 1)[0] if "://" in url else "file", storage_options or {})
     try:
-        fs, root = url_to_fs(os.path.expanduser(url), **{**(storage_options or {}), "skip_instance_cache": True})
+        fs, root = url_to_fs(os.path.expanduser(url), **{**options, "skip_instance_cache": True})
     except ImportError as e:
         proto = url.split("://", 1)[0]
         extra = _EXTRAS.get(proto, "all")
@@ -146,7 +201,13 @@ def make_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> 
         ) from e
     if type(fs) is MemoryFileSystem:  # one dict for all threads: see memory_fs
         fs = LockedMemoryFileSystem(**{**(storage_options or {}), "skip_instance_cache": True})
+    single_attempt(fs)
     return fs, root
+
+
+_CREDENTIALS_HINT = ("give them in the storage options (FT_CHECKPOINT_STORAGE_OPTIONS, a JSON object, or storage_options: "
+                     "key and secret for S3, token for GCS) or in the environment (AWS_ACCESS_KEY_ID and "
+                     "AWS_SECRET_ACCESS_KEY, or GOOGLE_APPLICATION_CREDENTIALS)")
 
 
 class StoredChecksumMismatch(ConnectionError):
@@ -248,44 +309,59 @@ class Storage:
 
     # -- retries and error translation ---------------------------------------------------------
     def retrying(self, what: str, where: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """``fn(*args, **kwargs)``, retried on transient errors (the last one is raised as it is)."""
-        retrying = tenacity.Retrying(
+        """``fn(*args, **kwargs)``, retried on transient errors up to ``retries`` attempts and within
+        :data:`RETRY_WINDOW` seconds, with one warning at the first retry (the last error is raised as it is)."""
+        return self._retrier(what, where)(fn, *args, **kwargs)
+
+    def _retrier(self, what: str, where: str) -> tenacity.Retrying:
+        def warn_once(rs: tenacity.RetryCallState) -> None:
+            if rs.attempt_number == 1:
+                log.warning("%s %s failed (%s); retrying, up to %s within %s", what, where,
+                            rs.outcome.exception() if rs.outcome else None, plural(self.retries, "attempt"),
+                            human_seconds(RETRY_WINDOW))
+
+        return tenacity.Retrying(
             retry=tenacity.retry_if_exception(is_transient),
-            stop=tenacity.stop_after_attempt(max(1, self.retries)),
+            stop=tenacity.stop_after_attempt(max(1, self.retries)) | tenacity.stop_before_delay(RETRY_WINDOW),
             wait=tenacity.wait_random_exponential(multiplier=self.backoff, max=10),
-            before_sleep=lambda rs: log.warning(
-                "%s %s failed (%s), retrying (attempt %d of %d)", what, where,
-                rs.outcome.exception() if rs.outcome else None, rs.attempt_number, self.retries),
+            before_sleep=warn_once,
             reraise=True,
         )
-        return retrying(fn, *args, **kwargs)
 
     def call(self, what: str, rel: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)`` retried on transient errors; a final error as a StorageError naming ``rel``."""
         return self._call(what, rel, fn, *args, **kwargs)
 
     def _call(self, what: str, rel: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        retrier, start = self._retrier(what, self.url_of(rel)), time.monotonic()
         try:
-            return self.retrying(what, self.url_of(rel), fn, *args, **kwargs)
+            return retrier(fn, *args, **kwargs)
         except Exception as e:
-            raise self._translate(what, rel, e) from e
+            attempts = retrier.statistics.get("attempt_number", 1)
+            tried = f"{plural(attempts, 'attempt')} in {human_seconds(time.monotonic() - start)}"
+            raise self._translate(what, rel, e, tried) from e
 
-    def _translate(self, what: str, rel: str, e: Exception) -> Exception:
+    def _translate(self, what: str, rel: str, e: Exception, tried: str = "") -> Exception:
         if isinstance(e, FTCheckpointError):  # ours already says what happened (corruption is no outage)
             return e
-        where = f"{what} {self.url_of(rel)}"
+        where, error = f"{what} {self.url_of(rel)}", f"{type(e).__name__}: {e}"
+        cause = unreachable(e)
+        if cause == "no credentials":
+            return StoragePermissionError(f"{where}: no credentials ({error}). HINT: {_CREDENTIALS_HINT}")
+        if cause is not None:
+            return StorageError(f"{where}: {cause} ({error}). HINT: check the URL and endpoint_url in the storage "
+                                "options, and that the storage service runs and this machine reaches it")
         if isinstance(e, FileNotFoundError):
             return StorageNotFoundError(f"{where}: not found ({e}). HINT: check the URL, and that the bucket or directory exists")
-        if isinstance(e, PermissionError):
-            return StoragePermissionError(
-                f"{where}: permission denied ({e}). HINT: check the credentials (storage_options or the "
-                "environment) and that the location is writable")
+        if _denied(e):
+            return StoragePermissionError(f"{where}: permission denied ({error}). HINT: check the credentials "
+                                          "(storage_options or the environment) and that the location is writable")
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             return StorageError(f"{where}: no space left on device. HINT: free space or point dirpath elsewhere")
         if is_transient(e):
-            return StorageError(f"{where}: still failing after {self.retries} attempts: {type(e).__name__}: {e}. "
+            return StorageError(f"{where}: still failing after {tried}: {error}. "
                                 "HINT: the storage service may be down or unreachable")
-        return StorageError(f"{where}: {type(e).__name__}: {e}")
+        return StorageError(f"{where}: {error}")
 
     # -- primitives ----------------------------------------------------------------------------
     def ensure_root(self) -> None:
@@ -294,9 +370,11 @@ class Storage:
             self._call("create directory", "", self.fs.makedirs, self.root, exist_ok=True)
         elif self._bucketed:
             bucket = self.root.lstrip("/").split("/", 1)[0]
-            if not self._call("check bucket of", "", self.fs.exists, bucket):
+            try:  # not exists(): s3fs answers False for a bucket it cannot reach at all
+                self._call("check bucket of", "", self.fs.info, bucket)
+            except StorageNotFoundError:
                 raise StorageNotFoundError(
-                    f"bucket {bucket!r} of {self.url} does not exist. HINT: create it first, or fix the URL")
+                    f"bucket {bucket!r} of {self.url} does not exist. HINT: create it first, or fix the URL") from None
 
     def write_bytes(self, rel: str, data: bytes, *, atomic: bool = True, check_stored: bool = True) -> None:
         """Write one object whole, durably. On local disk atomically (tmp + fsync + rename + directory fsync);

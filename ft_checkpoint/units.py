@@ -16,18 +16,35 @@ from typing import Any
 
 from ft_checkpoint.errors import ConfigError
 
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$", re.ASCII)
+_NUMBER = r"\d+(?:\.\d+)?"
+_COMPOUND_RE = re.compile(rf"(?:{_NUMBER}\s*[a-z]+\s*)+", re.ASCII)
+_PART_RE = re.compile(rf"({_NUMBER})\s*([a-z]+)", re.ASCII)
+_UNIT_NAMES = {
+    "ms": ("ms", "msec", "millisecond", "milliseconds"),
+    "s": ("s", "sec", "secs", "second", "seconds"),
+    "m": ("m", "min", "mins", "minute", "minutes"),
+    "h": ("h", "hr", "hrs", "hour", "hours"),
+    "d": ("d", "day", "days"),
+    "w": ("w", "wk", "wks", "week", "weeks"),
+}
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_UNIT_OF = {name: unit for unit, names in _UNIT_NAMES.items() for name in names}
+DURATION_EXAMPLES = "'90', '30s', '15 min', '56.7 min', '1.5 h', '1h30m', '2d'"
+"""Forms a duration may take, for messages (every form :func:`human_seconds` prints is one)."""
 
 
 def parse_duration(value: int | float | str | datetime.timedelta) -> float:
-    """Seconds from a number of seconds, a ``timedelta`` or a string such as ``"30s"``, ``"5m"``, ``"6h"``, ``"2d"``, ``"1w"``
-    (a bare number in a string, as env vars give it, is seconds). ValueError for anything else, and for
+    """Seconds from a number of seconds, a ``timedelta`` or a string: a bare number is seconds, else numbers
+    with units (``ms``, ``s``/``sec``, ``m``/``min``, ``h``/``hr``, ``d``/``day``, ``w``/``week``, plurals too),
+    with or without spaces, combined as in ``"1h30m"`` or ``"2 d 6 h"``: whatever :func:`human_seconds` and the
+    ``ft-checkpoint`` commands print (``"15 min"``, ``"56.7 min"``). ValueError for anything else, and for
     ``nan`` and ``inf``: a duration is finite.
 
     Example:
-        >>> parse_duration("5m"), parse_duration(datetime.timedelta(hours=1)), parse_duration(90)
-        (300.0, 3600.0, 90.0)
+        >>> parse_duration("5m"), parse_duration("15 min"), parse_duration("1h30m"), parse_duration("2 d 6 h")
+        (300.0, 900.0, 5400.0, 194400.0)
+        >>> parse_duration(datetime.timedelta(hours=1)), parse_duration(90), parse_duration("90")
+        (3600.0, 90.0, 90.0)
     """
     seconds = None
     if isinstance(value, datetime.timedelta):
@@ -38,23 +55,66 @@ def parse_duration(value: int | float | str | datetime.timedelta) -> float:
         except OverflowError:
             seconds = math.inf
     elif isinstance(value, str):
-        m = _DURATION_RE.match(value)
-        if m:
-            seconds = float(m.group(1)) * _UNITS[m.group(2) or "s"]
+        seconds = _parse_text(value.strip().lower())
     if seconds is None:
-        raise ValueError(f"{short(value)} is not a duration: use seconds, a timedelta, or a string like '30s', "
-                         "'5m', '6h', '2d'")
+        raise ValueError(f"{short(value)} is not a duration: use seconds, a timedelta, or a string like "
+                         f"{DURATION_EXAMPLES}")
     if not math.isfinite(seconds):
         raise ValueError(f"{short(value)} is not a finite duration")
     return seconds
 
 
+def _parse_text(text: str) -> float | None:
+    """Seconds in ``text`` (lower case, stripped): a bare number, or numbers with units, each unit once."""
+    if re.fullmatch(_NUMBER, text, re.ASCII):
+        return float(text)
+    if len(text) > 200 or not _COMPOUND_RE.fullmatch(text):
+        return None
+    parts = [(float(number), _UNIT_OF.get(name)) for number, name in _PART_RE.findall(text)]
+    units = [unit for _, unit in parts]
+    if None in units or len(set(units)) != len(units):
+        return None
+    return sum(number * _UNITS[unit] for number, unit in parts if unit is not None)
+
+
 def human_seconds(seconds: float) -> str:
-    """``5400`` -> ``'1.5 h'``, ``0.0123`` -> ``'12.3 ms'``; the unit that reads best."""
+    """``5400`` -> ``'1.5 h'``, ``0.0123`` -> ``'12.3 ms'``; the unit that reads best (:func:`parse_duration`
+    reads it back).
+
+    Example:
+        >>> human_seconds(5400), human_seconds(900), human_seconds(0.0123), human_seconds(200 * 86400)
+        ('1.5 h', '15 min', '12.3 ms', '200 d')
+    """
     for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
         if seconds >= size:
-            return f"{seconds / size:.3g} {unit}"
-    return f"{seconds * 1000:.3g} ms" if 0 < seconds < 1 else f"{seconds:.3g} s"
+            return f"{_digits(seconds / size)} {unit}"
+    return f"{_digits(seconds * 1000)} ms" if 0 < seconds < 1 else f"{_digits(seconds)} s"
+
+
+def _digits(x: float) -> str:
+    """Three significant digits, never in exponent notation (which :func:`parse_duration` does not read)."""
+    text = f"{x:.3g}"
+    return text if "e" not in text else f"{x:.0f}" if abs(x) >= 1 else f"{x:.9f}".rstrip("0")
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """A count and its noun, singular for one.
+
+    Example:
+        >>> plural(1, "attempt"), plural(2, "attempt"), plural(3, "step directory", "step directories")
+        ('1 attempt', '2 attempts', '3 step directories')
+    """
+    return f"{n} {word}" if n == 1 else f"{n} {many or word + 's'}"
+
+
+def every(n: int, word: str) -> str:
+    """How often, in words: ``every step`` for one, ``every 3 steps`` for more.
+
+    Example:
+        >>> every(1, "step"), every(500, "step")
+        ('every step', 'every 500 steps')
+    """
+    return f"every {word}" if n == 1 else f"every {n} {word}s"
 
 
 def human_bytes(n: float) -> str:

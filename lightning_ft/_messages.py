@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from ft_checkpoint.units import human_seconds
+from ft_checkpoint.units import every, human_seconds
 from lightning_ft import _lightning_internals as internals
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ def next_save(manager: CheckpointManager, step: int, *, first: bool) -> str:
     which, metrics = "first save" if first else "next save", manager.metrics()
     if "interval_steps" in metrics:
         n = int(metrics["interval_steps"])
-        return f"{which} at step {(step // n + 1) * n} (every {n} steps)"
+        return f"{which} at step {(step // n + 1) * n} ({every(n, 'step')})"
     if manager.adaptive is not None:
         guess = " (a guess until a save measures it)" if manager.adaptive.cost is None else ""
         return (f"{which} due in about {human_seconds(metrics['interval_s'])} (adaptive interval, planned for a save "
@@ -59,8 +59,8 @@ def next_save(manager: CheckpointManager, step: int, *, first: bool) -> str:
                 f"a run that ends sooner saves nothing: pass interval=<steps> or a duration such as '10m' for short "
                 f"runs)")
     if "interval_s" in metrics:
-        every = human_seconds(metrics["interval_s"])
-        return f"{which} due in {every} (every {every})"
+        period = human_seconds(metrics["interval_s"])
+        return f"{which} due in {period} (every {period})"
     return f"saves when {manager.policy!r} says so"
 
 

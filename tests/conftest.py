@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+import ft_checkpoint.testing.faults  # noqa: F401 - registers faulty:// for the tests (a user's install has none)
 from ft_checkpoint.testing import servers
 
 

@@ -32,7 +32,8 @@ def run_blocked(blocked: set[str], code: str) -> None:
 def test_core_imports_without_lightning_or_accelerate():
     run_blocked({"lightning", "pytorch_lightning", "accelerate"}, """
 import ft_checkpoint
-from ft_checkpoint import CheckpointManager, CheckpointConfig, Storage
+from ft_checkpoint import CheckpointManager, CheckpointConfig
+from ft_checkpoint.storage import Storage
 import ft_checkpoint.tools.cli, ft_checkpoint.engine, ft_checkpoint.manager
 m = CheckpointManager("memory://imports", interval=5); m.close()
 """)
@@ -41,7 +42,7 @@ m = CheckpointManager("memory://imports", interval=5); m.close()
 def test_storage_does_not_import_torch():
     run_blocked({"torch"}, """
 import ft_checkpoint.storage, ft_checkpoint.layout, ft_checkpoint.config, ft_checkpoint.journal
-import ft_checkpoint.retention, ft_checkpoint.errors
+import ft_checkpoint.retention, ft_checkpoint.errors, ft_checkpoint.progress, ft_checkpoint.tools.cli
 s = ft_checkpoint.storage.Storage("memory://no-torch")
 s.write_bytes("a", b"1")
 assert "torch" not in sys.modules

@@ -1,7 +1,8 @@
 """A local filesystem that misbehaves on purpose: transient errors, latency spikes, a permanent outage.
 
-For tests and the chaos benchmark: point a checkpoint directory at ``faulty:///some/local/path`` and
-pass the faults as storage options. Every storage call (opening a file to read or write it, a
+For tests and the chaos benchmark: import this module (it registers the ``faulty`` protocol with fsspec, in
+this process only), point a checkpoint directory at ``faulty:///some/local/path`` and pass the faults as
+storage options. Every storage call (opening a file to read or write it, a
 listing, a delete) may fail with a ``ConnectionResetError`` (a transient error, retried by the
 storage layer) at ``transient_rate``, sleep ``latency`` seconds at ``latency_rate``, or, with
 ``outage=True``, always fail with ``ConnectionRefusedError``.

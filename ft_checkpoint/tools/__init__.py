@@ -1,2 +1,2 @@
 """The ``ft-checkpoint`` command line and what it reads: ``catalog`` (ls, verify, inspect, gc) and ``goodput``
-(report). Nothing here imports torch, except ``inspect`` of a step written by 0.1 (a pickled metadata)."""
+(report). Nothing here imports torch, except ``inspect`` of a format-1 step (a pickled metadata, written by 0.1.0)."""

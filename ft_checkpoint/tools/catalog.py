@@ -28,7 +28,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ft_checkpoint import checksum, layout, tensor_metadata
@@ -285,7 +285,10 @@ def newest_verified(storage: Storage, candidates: Iterable[int], on_bytes: OnByt
     return None
 
 
-def apply_gc(storage: Storage, plan: GcPlan) -> None:
-    """Delete the steps of ``plan``, each manifest first (a crash halfway leaves garbage, not a bad commit)."""
+def apply_gc(storage: Storage, plan: GcPlan, *, on_deleted: Callable[[int], None] | None = None) -> None:
+    """Delete the steps of ``plan``, each manifest first (a crash halfway leaves garbage, not a bad commit);
+    ``on_deleted(1)`` after each step."""
     for step in plan.delete:
         layout.delete_step(storage, step)
+        if on_deleted is not None:
+            on_deleted(1)

@@ -8,7 +8,8 @@
     ft-checkpoint gc DIR --keep N [--keep-every M] [--dry-run] [--json] [--key-file PATH] [--run-name NAME]
     ft-checkpoint report DIR [--plot timeline.png] [--json]
 
-Durations accept seconds or ``30s``, ``5m``, ``6h``, ``2d``, ``1w``. ``DIR`` is a local path or an
+Durations are read as the commands print them: ``90`` (seconds), ``30s``, ``15 min``, ``56.7 min``, ``1h30m``,
+``2d``. ``DIR`` is a local path or an
 fsspec URL (``gs://bucket/run``); storage options (credentials, endpoint) come from
 ``FT_CHECKPOINT_STORAGE_OPTIONS`` (a JSON object) or the file named by ``FT_CHECKPOINT_CONFIG``, like the
 training's; without ``DIR``, ``FT_CHECKPOINT_DIRPATH``. A signing key (``--key-file``, or the training's:
@@ -39,11 +40,14 @@ from typing import TYPE_CHECKING, Any
 
 from ft_checkpoint import __version__
 from ft_checkpoint.errors import FTCheckpointError
-from ft_checkpoint.units import human_bytes, human_seconds, parse_duration, short
+from ft_checkpoint.progress import Progress
+from ft_checkpoint.units import DURATION_EXAMPLES, human_bytes, human_seconds, parse_duration, plural, short
 
 if TYPE_CHECKING:
     from ft_checkpoint.signing import Signer
     from ft_checkpoint.storage import Storage
+
+log = logging.getLogger("ft_checkpoint.tools.cli")  # not __name__: "__main__" under python -m
 
 
 class UsageError(Exception):
@@ -55,12 +59,19 @@ MAX_SECONDS = 100 * 365.25 * 86400
 
 
 def duration(text: str) -> float:
-    """argparse type: a duration in seconds (``1w`` allowed too), finite and at most 100 years."""
+    """argparse type: a duration as the commands print them (``90``, ``15 min``, ``1h30m``, ...; a bare number is
+    seconds), finite and at most 100 years.
+
+    Example:
+        >>> duration("15 min"), duration("1h30m"), duration("56.7 min")
+        (900.0, 5400.0, 3402.0)
+    """
     text = text.strip()
     try:
         seconds = parse_duration(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from e
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{short(text)} is not a duration: use e.g. {DURATION_EXAMPLES} (a number "
+                                         "without a unit is seconds)") from None
     if not math.isfinite(seconds) or seconds > MAX_SECONDS:
         raise argparse.ArgumentTypeError(f"{short(text)}: use a duration of at most 100 years")
     return seconds
@@ -106,6 +117,7 @@ def _plan(args: argparse.Namespace) -> int:
     rows += [(f"every {human_seconds(t)}", t) for t in (900.0, 3600.0, 10800.0)]
     result = {"cost_s": d, "mtbf_s": m, "restart_s": r,
               "intervals": [{"name": n, "interval_s": t, "expected_waste": expected_waste(t, d, m, r)} for n, t in rows]}
+    warn_nonsense([m], [d], r)  # once the figures could be computed
     if args.json:
         print(json.dumps(result))
     else:
@@ -140,6 +152,40 @@ def _plot(path: str, d: float, m: float, r: float, best: float) -> None:
     print(f"wrote {path}")
 
 
+SHORT_MTBF = 60.0
+"""An MTBF below this (seconds) is not a training job's: most likely a number given without its unit."""
+
+
+def nonsense(mtbfs: list[float], costs: list[float], restart: float) -> list[str]:
+    """What makes no sense in these inputs (each a sentence with a HINT), or nothing.
+
+    Example:
+        >>> nonsense([6.0], [300.0], 0.0)[0][:58]
+        'an MTBF of 6 s: a failure every few seconds (a number with'
+        >>> nonsense([6 * 3600.0], [7 * 3600.0], 0.0)[0][:63]
+        'a checkpoint that costs 7 h against an MTBF of 6 h: most failur'
+        >>> nonsense([6 * 3600.0], [300.0], 120.0)
+        []
+    """
+    out = [f"an MTBF of {human_seconds(m)}: a failure every few seconds (a number without a unit is seconds). "
+           f"HINT: give the unit, e.g. --mtbf {m:g}h" for m in sorted(set(mtbfs)) if m < SHORT_MTBF]
+    worst = min(mtbfs)
+    out += [f"a checkpoint that costs {human_seconds(d)} against an MTBF of {human_seconds(worst)}: most failures come "
+            "before a checkpoint completes, so no interval helps and the figures mean little. HINT: --cost is what one "
+            "save costs the training, --mtbf the mean time between failures of the whole job"
+            for d in sorted(set(costs)) if d >= worst]
+    if restart >= worst:
+        out.append(f"a restart of {human_seconds(restart)} against an MTBF of {human_seconds(worst)}: the job fails "
+                   "again before it has restarted. HINT: --restart is the time from a failure to training again")
+    return out
+
+
+def warn_nonsense(mtbfs: list[float], costs: list[float], restart: float) -> None:
+    """Warn (stderr) about each input that makes no sense; the command still prints its figures."""
+    for text in nonsense(mtbfs, costs, restart):
+        log.warning("%s", text)
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     with _arithmetic("simulate"):
         return _simulate(args)
@@ -163,39 +209,38 @@ class _arithmetic:
 def _simulate(args: argparse.Namespace) -> int:
     from ft_checkpoint.adaptive.simulate import POLICIES, simulate_scenario
 
+    warn_nonsense(args.mtbf, args.cost, args.restart)
+    if not args.json:
+        failures = f"Weibull shape {args.weibull}" if args.weibull else "exponential"
+        print(f"wasted compute %, mean of {args.seeds} runs of {args.work:g} MTBFs of work each (before the 5th "
+              f"failure: of {args.early_seeds} runs); {failures} failures; ours learns from no history (prior: "
+              f"{args.world_size} GPUs at Llama 3's rate)")
+        head = "".join(f"{p:>11}" for p in POLICIES)
+        print(f"{'MTBF':>8}{'cost':>8}{head}{'ours<5f':>10}{'best fixed<5f':>15}{'ratio':>7}"
+              f"{'ours>=5f':>10}{'oracle>=5f':>12}{'ratio':>7}", flush=True)
     rows = []
     for m in args.mtbf:
-        for d in args.cost:
+        for d in args.cost:  # each row printed as soon as it is computed
             r = simulate_scenario(m, d, restart=args.restart, seeds=args.seeds, early_seeds=args.early_seeds,
                                   work_mtbfs=args.work, shape=args.weibull, world_size=args.world_size)
             rows.append({"mtbf_s": m, "cost_s": d, "waste": r})
+            if not args.json:
+                print(_simulate_row(m, d, r, POLICIES), flush=True)
     if args.json:
         print(json.dumps(rows))
-        return 0
-    failures = f"Weibull shape {args.weibull}" if args.weibull else "exponential"
-    print(f"wasted compute %, mean of {args.seeds} runs of {args.work:g} MTBFs of work each (before the 5th "
-          f"failure: of {args.early_seeds} runs); {failures} failures; ours learns from no history (prior: "
-          f"{args.world_size} GPUs at Llama 3's rate)")
-    head = "".join(f"{p:>11}" for p in POLICIES)
-    print(f"{'MTBF':>8}{'cost':>8}{head}{'ours<5f':>10}{'best fixed<5f':>15}{'ratio':>7}"
-          f"{'ours>=5f':>10}{'oracle>=5f':>12}{'ratio':>7}")
-    for row in rows:
-        w = row["waste"]
-        best_fixed = min(w[p]["before"] for p in POLICIES if p.startswith("fixed"))
-        cells = "".join(f"{100 * w[p]['all']:>11.2f}" for p in POLICIES)
-        ours, oracle = w["ours"], w["oracle"]
-        print(f"{human_seconds(row['mtbf_s']):>8}{human_seconds(row['cost_s']):>8}{cells}{100 * ours['before']:>10.2f}"
-              f"{100 * best_fixed:>15.2f}{ours['before'] / best_fixed:>7.3f}{100 * ours['after']:>10.2f}"
-              f"{100 * oracle['after']:>12.2f}{ours['after'] / oracle['after']:>7.3f}")
     return 0
 
 
+def _simulate_row(m: float, d: float, w: dict[str, Any], policies: Any) -> str:
+    best_fixed = min(w[p]["before"] for p in policies if p.startswith("fixed"))
+    cells = "".join(f"{100 * w[p]['all']:>11.2f}" for p in policies)
+    ours, oracle = w["ours"], w["oracle"]
+    return (f"{human_seconds(m):>8}{human_seconds(d):>8}{cells}{100 * ours['before']:>10.2f}"
+            f"{100 * best_fixed:>15.2f}{ours['before'] / best_fixed:>7.3f}{100 * ours['after']:>10.2f}"
+            f"{100 * oracle['after']:>12.2f}{ours['after'] / oracle['after']:>7.3f}")
+
+
 # -- checkpoint directories ----------------------------------------------------------------------
-def plural(n: int, word: str, many: str | None = None) -> str:
-    """``plural(1, "failure")`` -> ``'1 failure'``; ``plural(2, "failure")`` -> ``'2 failures'``."""
-    return f"{n} {word}" if n == 1 else f"{n} {many or word + 's'}"
-
-
 def utc(t: float | None) -> str:
     """An epoch time as ``2026-11-29 12:00:01Z`` (``-`` for None)."""
     return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(t))
@@ -232,38 +277,6 @@ def open_signer(args: argparse.Namespace, storage: Storage) -> Signer | None:
     return Signer.from_config(config, storage.url)
 
 
-class ProgressBar:
-    """A one-line progress bar on stderr, drawn only when stdout and stderr are terminals (else silent).
-
-    Example:
-        >>> bar = ProgressBar(100, "verifying", enabled=False)
-        >>> bar.update(60); bar.done
-        60
-        >>> bar.close()
-    """
-
-    def __init__(self, total: int, label: str, *, enabled: bool | None = None) -> None:
-        self.total, self.label, self.done = max(1, total), label, 0
-        self.enabled = sys.stdout.isatty() and sys.stderr.isatty() if enabled is None else enabled
-        self._drawn_at = 0.0
-
-    def update(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        if self.enabled and (now - self._drawn_at >= 0.1 or self.done >= self.total):
-            self._drawn_at = now
-            frac = min(1.0, self.done / self.total)
-            bar = "#" * int(30 * frac)
-            sys.stderr.write(f"\r{self.label} [{bar:<30}] {100 * frac:5.1f}% "
-                             f"{human_bytes(self.done)} / {human_bytes(self.total)}")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled and self._drawn_at:
-            sys.stderr.write("\r\033[K")
-            sys.stderr.flush()
-
-
 def table(header: list[str], rows: list[list[str]], align: str) -> list[str]:
     """Aligned columns, two spaces apart; ``align`` has one ``<`` or ``>`` per column.
 
@@ -287,7 +300,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     storage = open_storage(args.dir)
     signer = open_signer(args, storage)
     listing = list_checkpoints(storage, signer=signer)
-    pick = f"resume would pick step {listing.resume_step}" if listing.resume_step is not None else \
+    newest = listing.resume_step
+    pick = f"newest committed: step {newest} (a resume tries it first)" if newest is not None else \
         "no committed step: a resume would start fresh"
     if listing.resume_step is None and any(i.status == UNVERIFIED for i in listing.steps):
         pick = "no step verifies with the key: a resume would stop with an error (the key or run name may be wrong)"
@@ -298,12 +312,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
         lines += [f"HINT: checkpoints are in {url}: 'ft-checkpoint ls {url}'" for url in checkpoint_dirs_below(storage)]
     rows = [[str(i.step), i.status, utc(i.time), human_bytes(i.bytes), str(i.files),
              "-" if i.world_size is None else str(i.world_size),
-             "<- resume" if i.step == listing.resume_step else i.reason or ""] for i in listing.steps]
+             "<- newest committed" if i.step == newest else i.reason or ""] for i in listing.steps]
     if rows:
         lines += table(["step", "status", "saved (UTC)", "size", "files", "world", ""], rows, "><<>>><")
-    if listing.resume_step is not None:
+    if newest is not None:
         checked = "sizes and signatures" if signer is not None else "sizes"
-        lines.append(f"({checked} checked; 'ft-checkpoint verify {args.dir or listing.url}' checks checksums too)")
+        lines.append(f"({checked} checked, not checksums: a resume loads step {newest} only if its checksums match, "
+                     f"else it falls back to the previous step; 'ft-checkpoint verify {args.dir or listing.url}' checks them)")
     emit(args, listing.to_dict(), lines)
     return 0
 
@@ -324,11 +339,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
              [f"{storage.url}: no committed step to verify (a resume would start fresh)"])
         return 1
     sizes = {i.step: i.bytes for i in listing.steps}
-    bar = ProgressBar(sum(sizes.get(s, 0) for s in steps), "verifying", enabled=False if args.json else None)
-    try:
-        checks = [check_step(storage, s, on_bytes=bar.update, signer=signer) for s in steps]
-    finally:
-        bar.close()
+    with Progress("verifying", sum(sizes.get(s, 0) for s in steps)) as progress:
+        checks = [check_step(storage, s, on_bytes=progress.update, signer=signer) for s in steps]
     ok = all(c.ok for c in checks)
     lines = []
     for c in checks:
@@ -405,13 +417,18 @@ def _deepspeed_lines(metadata: Any) -> list[str]:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from ft_checkpoint.tools.catalog import apply_gc, plan_gc
+    from ft_checkpoint.tools.catalog import apply_gc, list_checkpoints, plan_gc
 
     storage = open_storage(args.dir)
-    plan = plan_gc(storage, keep_last=args.keep, keep_every_n_steps=args.keep_every,
-                   signer=open_signer(args, storage))
+    signer = open_signer(args, storage)
+    newest = max((i for i in list_checkpoints(storage, signer=signer).steps if i.manifest), key=lambda i: i.step,
+                 default=None)
+    with Progress("gc: verifying the newest step", newest.bytes if newest else 0) as progress:
+        plan = plan_gc(storage, keep_last=args.keep, keep_every_n_steps=args.keep_every, on_bytes=progress.update,
+                       signer=signer)
     if not args.dry_run:
-        apply_gc(storage, plan)
+        with Progress("gc: deleting", len(plan.delete), unit="step") as progress:
+            apply_gc(storage, plan, on_deleted=progress.update)
     verb = "would delete" if args.dry_run else "deleted"
     milestones = f" and every multiple of {args.keep_every}" if args.keep_every else ""
     protected = f"; never deletes step {plan.protected}, the newest that verifies" if plan.protected is not None \
@@ -459,6 +476,10 @@ def _report_lines(report: Any) -> list[str]:
               f"{'' if t['recomputed_exact'] else 'at least '}{t['recomputed_steps']} steps "
               f"({human_seconds(t['recomputed_s'])}), restart gaps {human_seconds(t['gap_s'])}",
               "goodput " + ("n/a" if t["goodput"] is None else f"{100 * t['goodput']:.1f}%") + " (useful / wall)"]
+    if not t["recomputed_exact"]:
+        miss = "some" if t["may_miss_s"] is None else f"up to {human_seconds(t['may_miss_s'])} of"
+        lines.append(f"(recomputed steps are a lower bound: a failed attempt may have run {miss} training past its last "
+                     "progress note; on an object store a note comes every progress_interval, on a filesystem every step)")
     return lines + skipped
 
 
@@ -477,26 +498,42 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ft-checkpoint {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    plan = sub.add_parser("plan", help="Young's and Daly's optimal intervals and the expected waste")
-    plan.add_argument("--mtbf", type=positive_duration, required=True, help="mean time between failures, e.g. 6h")
+    plan = sub.add_parser(
+        "plan", help="Young's and Daly's optimal intervals and the expected waste",
+        description="How often to checkpoint: Young's and Daly's optimal intervals for a checkpoint that costs "
+                    "COST and failures every MTBF on average, and the expected share of wall time wasted (on saves, "
+                    "recomputed work and restarts) at those and at fixed intervals. " + _DURATIONS_HELP)
+    plan.add_argument("--mtbf", type=positive_duration, required=True,
+                      help="mean time between failures of the whole job, e.g. 6h (the job fails, not one GPU)")
     plan.add_argument("--cost", type=positive_duration, required=True,
-                      help="what one checkpoint costs the training, e.g. 5m")
-    plan.add_argument("--restart", type=duration, default=0.0, help="time to restart after a failure")
+                      help="what one checkpoint costs the training (its stall, not the background write), e.g. 5m")
+    plan.add_argument("--restart", type=duration, default=0.0,
+                      help="time from a failure to training again (rescheduling, start-up, loading), e.g. 2m; default 0")
     plan.add_argument("--json", action="store_true", help="machine-readable output")
     plan.add_argument("--plot", metavar="PNG", help="draw expected waste against interval (needs matplotlib)")
     plan.set_defaults(func=cmd_plan)
 
-    sim = sub.add_parser("simulate", help="compare interval policies on a simulated job with failures")
-    sim.add_argument("--mtbf", type=durations, default=durations("15m,1h,6h,1d,1w"))
-    sim.add_argument("--cost", type=durations, default=durations("1s,10s,1m,10m"))
-    sim.add_argument("--restart", type=duration, default=60.0)
+    sim = sub.add_parser(
+        "simulate", help="compare interval policies on a simulated job with failures",
+        description="Simulate jobs with random failures and compare the wasted compute of fixed intervals, Young's, "
+                    "Daly's, ours (the adaptive policy, learning the failure rate as it goes) and an oracle that knows "
+                    "the true MTBF; one row per MTBF and cost, printed as soon as it is computed. "
+                    + _DURATIONS_HELP)
+    sim.add_argument("--mtbf", type=durations, default=durations("15m,1h,6h,1d,1w"), metavar="MTBFS",
+                     help="true mean times between failures, comma-separated (default: 15m,1h,6h,1d,1w)")
+    sim.add_argument("--cost", type=durations, default=durations("1s,10s,1m,10m"), metavar="COSTS",
+                     help="what one checkpoint costs the training, comma-separated (default: 1s,10s,1m,10m)")
+    sim.add_argument("--restart", type=duration, default=60.0, help="time from a failure to training again (default 60 s)")
     sim.add_argument("--weibull", type=positive_number, default=None, metavar="SHAPE",
-                     help="Weibull failures (e.g. 0.7)")
-    sim.add_argument("--seeds", type=positive, default=20, help="runs per cell")
-    sim.add_argument("--early-seeds", type=positive, default=3000, help="runs per cell before the 5th failure")
-    sim.add_argument("--work", type=positive_number, default=50.0, help="useful work per run, in MTBFs")
-    sim.add_argument("--world-size", type=positive, default=1024, help="GPUs, for ours' prior failure rate")
-    sim.add_argument("--json", action="store_true")
+                     help="Weibull failures of this shape (e.g. 0.7: failures come in bursts); default: exponential")
+    sim.add_argument("--seeds", type=positive, default=20, help="simulated runs per row (default 20)")
+    sim.add_argument("--early-seeds", type=positive, default=3000,
+                     help="simulated runs per row for the columns before the 5th failure (default 3000)")
+    sim.add_argument("--work", type=positive_number, default=50.0,
+                     help="useful work per simulated run, in MTBFs (default 50)")
+    sim.add_argument("--world-size", type=positive, default=1024,
+                     help="GPUs of the simulated job, for the prior failure rate ours starts from (default 1024)")
+    sim.add_argument("--json", action="store_true", help="machine-readable output (printed at the end)")
     sim.set_defaults(func=cmd_simulate)
     _add_directory_commands(sub)
     return parser
@@ -560,6 +597,7 @@ def _add_directory_commands(sub: Any) -> None:
     report.add_argument("--plot", metavar="PNG", help="draw the attempts on a time axis (needs matplotlib)")
 
 
+_DURATIONS_HELP = (f"Durations as the commands print them: {DURATION_EXAMPLES}; a number without a unit is seconds.")
 _DIR_HELP = ("Storage options (credentials, endpoint_url) come from FT_CHECKPOINT_STORAGE_OPTIONS (JSON) "
              "or the YAML file named by FT_CHECKPOINT_CONFIG.")
 

@@ -14,11 +14,13 @@ into
 - **useful training**: the rest.
 
 ``goodput = useful / wall``. The journal cannot know when a killed process died: the time between its
-last sign of life and the kill counts as restart gap, and ``last_step`` is the last progress note,
-written at every save and at most every ``progress_interval`` (a config field, 10 s by default) in
-between, so after a failure it can trail the step really reached by up to that much training time: the
-report then says "at least N" steps (``recomputed_exact`` False); with ``progress_interval=0`` every
-step is noted and the count is exact.
+last sign of life and the kill counts as restart gap, and ``last_step`` is the last progress note. On a
+local or shared filesystem every step is noted (one small write in place, see ``Journal.notes_every_step``):
+the count is exact. On an object store a note is written at every save and at most every
+``progress_interval`` (a config field, 10 s by default) in between, so after a failure it can trail the
+step really reached by up to that much training time: the report then says "at least N" steps
+(``recomputed_exact`` False) and how much training it may miss per failure (:attr:`GoodputReport.may_miss_s`);
+with ``progress_interval=0`` every step is noted there too.
 
 Example:
     >>> from ft_checkpoint.journal import Journal
@@ -127,6 +129,13 @@ class GoodputReport:
         return all(a.recomputed_exact for a in self.attempts if a.recomputed_steps is not None)
 
     @property
+    def may_miss_s(self) -> float | None:
+        """How much training per failure :attr:`recomputed_steps` may miss: the longest ``progress_interval``
+        of a failed attempt whose count is a lower bound (0 when exact; None when an attempt's is unknown)."""
+        inexact = [a.progress_interval for a in self.attempts if a.recomputed_steps is not None and not a.recomputed_exact]
+        return None if None in inexact else max([0.0, *(x for x in inexact if x is not None)])
+
+    @property
     def gap_s(self) -> float:
         return sum(a.gap_after_s or 0.0 for a in self.attempts)
 
@@ -145,7 +154,7 @@ class GoodputReport:
 
     def totals(self) -> dict[str, Any]:
         names = ("wall_s", "useful_s", "stall_s", "load_s", "recomputed_s", "recomputed_steps", "recomputed_exact",
-                 "gap_s", "failures", "preemptions", "goodput")
+                 "may_miss_s", "gap_s", "failures", "preemptions", "goodput")
         return {"attempts": len(self.attempts), **{n: getattr(self, n) for n in names}}
 
     def to_dict(self) -> dict[str, Any]:

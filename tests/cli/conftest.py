@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
+import pty
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 from typing import Any
@@ -32,6 +36,37 @@ def cli_json(*args: Any, env: dict[str, str] | None = None, rc: int = 0) -> Any:
     proc = cli(*args, "--json", env=env)
     assert proc.returncode == rc, proc.stdout + proc.stderr
     return json.loads(proc.stdout)
+
+
+def open_terminal() -> tuple[int, int]:
+    """A pseudo-terminal 150 columns wide (a new one has 0, where tqdm draws nothing): ``(leader, follower)``."""
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 150, 0, 0))
+    return leader, follower
+
+
+def drawn(leader: int) -> str:
+    """Everything written to the terminal of ``leader`` until its follower closed; closes ``leader``."""
+    out = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: the terminal closed
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(leader)
+    return out.decode(errors="replace")
+
+
+def run_in_terminal(cmd: list[str], env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run ``cmd`` with stdout and stderr on a pseudo-terminal; its exit code and what it drew."""
+    leader, follower = open_terminal()
+    proc = subprocess.Popen(cmd, stdout=follower, stderr=follower, cwd=ROOT, env={**os.environ, **(env or {})})
+    os.close(follower)
+    text = drawn(leader)
+    return proc.wait(timeout=TIMEOUT), text
 
 
 @dataclasses.dataclass

@@ -4,6 +4,9 @@ restarts, and attempts whose progress is unknown."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -50,6 +53,8 @@ def test_failure_then_preemption_then_clean_end(tmp_path):
     text = cli("report", s.url).stdout
     assert "3 attempts, 1 failure, 1 preemption" in text and ">=15 steps" in text
     assert "recomputed at least 15 steps" in text, "progress noted every 10 s: the count is a lower bound"
+    assert "may have run up to 10 s of training past its last progress note" in text, "and how far off it can be"
+    assert report.may_miss_s == 10.0
 
 
 def test_recomputed_steps_are_exact_when_every_step_was_noted(tmp_path):
@@ -59,7 +64,31 @@ def test_recomputed_steps_are_exact_when_every_step_was_noted(tmp_path):
     report = goodput_report(s)
     assert report.attempts[0].recomputed_steps == 6 and report.recomputed_exact
     text = cli("report", s.url).stdout
-    assert "recomputed 6 steps" in text and ">=" not in text
+    assert "recomputed 6 steps" in text and ">=" not in text and "lower bound" not in text
+    assert report.may_miss_s == 0.0
+
+
+def test_a_killed_job_on_a_filesystem_is_counted_exactly_with_the_default_settings(tmp_path):
+    """The README's main job killed 6 steps after its save at step 61 reported "at least 0"; on a filesystem every
+    step is now noted in place (issue 22, point 9). A real job, SIGKILLed right after step 67."""
+    url = str(tmp_path / "run")
+    code = ("import os, signal, sys, torch; from ft_checkpoint import CheckpointManager\n"
+            "ckpt = CheckpointManager(sys.argv[1], interval=10, announce=False)\n"
+            "state = {'w': torch.zeros(3)}; start = ckpt.resume(state) or 0\n"
+            "for step in range(start + 1, 80):\n"
+            "    state['w'] += 1; ckpt.maybe_save(step, state)\n"
+            "    if step == 67 and start == 0: os.kill(os.getpid(), signal.SIGKILL)\n"
+            "ckpt.close()\n")
+    killed = subprocess.run([sys.executable, "-c", code, url], capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    resumed = subprocess.run([sys.executable, "-c", code, url], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    report = goodput_report(Storage(url))
+    failed, again = report.attempts
+    recomputed = 67 - again.resumed_from  # 60, or 50 if the save of 60 was still in flight at the kill
+    assert failed.outcome == "failed" and failed.recomputed_steps == recomputed and failed.recomputed_exact
+    text = cli("report", url).stdout
+    assert f"recomputed {recomputed} steps" in text and ">=" not in text, text
 
 
 def test_a_fresh_restart_recomputes_everything_and_unknown_progress_stays_unknown(tmp_path):

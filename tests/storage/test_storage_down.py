@@ -1,0 +1,178 @@
+"""Storage that is down or misconfigured answers in seconds, once (issue 22, point 2).
+
+A stopped GCS emulator or S3 server, a host name that does not resolve, missing S3 credentials, a missing bucket
+and a denied request are permanent: one line with a HINT, no traceback, no retries. A transient error (503) is
+retried by one layer only (ours: gcsfs's, s3fs's and botocore's own retries are off), a bounded number of
+times, with one warning.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import logging
+import threading
+import time
+import uuid
+
+import pytest
+
+from ft_checkpoint import storage as storage_module
+from ft_checkpoint.errors import StorageError, StoragePermissionError
+from ft_checkpoint.storage import Storage
+from ft_checkpoint.testing import servers
+from tests.cli.conftest import cli
+
+ANSWER_WITHIN = 30.0
+"""Generous bound on the CLI's answer to storage that is down (the issue asks for 5 s; measured about 4 s here,
+Python start-up and the import of gcsfs or s3fs included, on a loaded machine). Before: 185 s on GCS."""
+UNRESOLVABLE = "http://no-such-host.invalid:9000"  # .invalid never resolves (RFC 6761)
+NO_AWS_CONFIG = {"AWS_CONFIG_FILE": "/dev/null", "AWS_SHARED_CREDENTIALS_FILE": "/dev/null", "AWS_ACCESS_KEY_ID": None,
+                 "AWS_SECRET_ACCESS_KEY": None, "AWS_SESSION_TOKEN": None, "AWS_PROFILE": None,
+                 "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+@pytest.fixture(scope="module")
+def stopped():
+    """A GCS emulator and an S3 server that ran (each with a bucket) and were stopped: nothing listens there now."""
+    out = {}
+    for kind in ("gcs", "s3"):
+        server = servers.start(kind)
+        server.make_bucket("bucket")
+        server.stop()
+        out[kind] = server
+    return out
+
+
+def ls_timed(url: str, options: dict, **env: str | None) -> tuple[str, float, int]:
+    """``ft-checkpoint ls URL`` with these storage options: (stderr, seconds, exit code)."""
+    start = time.monotonic()
+    proc = cli("ls", url, env={**NO_AWS_CONFIG, "FT_CHECKPOINT_STORAGE_OPTIONS": json.dumps(options), **env})
+    return proc.stderr, time.monotonic() - start, proc.returncode
+
+
+def assert_one_line_with_hint(stderr: str, seconds: float, rc: int, says: str) -> None:
+    lines = stderr.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, stderr  # before: 16 tracebacks (gcsfs) or a retry warning per attempt
+    assert says in lines[0] and "HINT:" in lines[0] and "Traceback" not in stderr, stderr
+    assert seconds < ANSWER_WITHIN, f"answered after {seconds:.1f} s"
+    print(f"answered in {seconds:.1f} s: {lines[0][:100]}")
+
+
+@pytest.mark.parametrize("kind", ["gcs", "s3"])
+def test_stopped_server_answers_once_with_a_hint(stopped, kind):
+    server = stopped[kind]
+    stderr, seconds, rc = ls_timed(f"{server.protocol}://bucket/run", server.storage_options)
+    assert_one_line_with_hint(stderr, seconds, rc, "connection refused")
+
+
+@pytest.mark.parametrize("kind", ["gcs", "s3"])
+def test_unresolvable_host_answers_once_with_a_hint(stopped, kind):
+    server = stopped[kind]
+    stderr, seconds, rc = ls_timed(f"{server.protocol}://bucket/run", {**server.storage_options, "endpoint_url": UNRESOLVABLE})
+    assert_one_line_with_hint(stderr, seconds, rc, "host name does not resolve")
+
+
+def test_missing_s3_credentials_answer_with_a_hint(s3_server):
+    stderr, seconds, rc = ls_timed("s3://bucket/run", {"endpoint_url": s3_server.endpoint})
+    assert_one_line_with_hint(stderr, seconds, rc, "no credentials")
+    assert "AWS_ACCESS_KEY_ID" in stderr and "key and secret" in stderr
+
+
+@pytest.mark.parametrize("kind", ["gcs", "s3"])
+def test_missing_bucket_answers_once_with_a_hint(request, kind):
+    server = request.getfixturevalue(f"{kind}_server")
+    stderr, seconds, rc = ls_timed(f"{server.protocol}://nobucket-{uuid.uuid4().hex[:8]}/run", server.storage_options)
+    assert_one_line_with_hint(stderr, seconds, rc, "does not exist")
+
+
+@pytest.mark.parametrize("kind", ["gcs", "s3"])
+def test_missing_bucket_refuses_training_at_once(request, kind):
+    """The training's check of its bucket says "does not exist" only when it does not: a stopped server is not a
+    missing bucket (s3fs's exists() answered False for a bucket it could not reach)."""
+    from ft_checkpoint.errors import StorageNotFoundError
+
+    server = request.getfixturevalue(f"{kind}_server")
+    with pytest.raises(StorageNotFoundError, match="bucket 'nobucket' .* does not exist. HINT"):
+        Storage(f"{server.protocol}://nobucket/run", server.storage_options, retries=1).ensure_root()
+
+
+def test_stopped_server_is_not_reported_as_a_missing_bucket(stopped):
+    server = stopped["s3"]
+    with pytest.raises(StorageError, match="connection refused.*HINT") as raised:
+        Storage("s3://bucket/run", server.storage_options).ensure_root()
+    assert "does not exist" not in str(raised.value)
+
+
+class StatusServer:
+    """A real HTTP server on 127.0.0.1 that answers every request with one status, counting the requests."""
+
+    def __init__(self, status: int) -> None:
+        self.requests = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def answer(self) -> None:
+                outer.requests += 1  # the request's body is not read: the connection closes after the answer
+                body = json.dumps({"error": {"code": status, "message": "refused by the test server"}}).encode()
+                self.send_response(status)
+                self.send_header("content-length", str(len(body)))
+                self.send_header("connection", "close")
+                self.end_headers()
+                self.close_connection = True
+                self.wfile.write(body)
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = answer
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.endpoint = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def options(self, protocol: str) -> dict:
+        return {"endpoint_url": self.endpoint, **({"token": "anon"} if protocol == "gs" else {"key": "k", "secret": "s"})}
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def status_server(request):
+    server = StatusServer(request.param)
+    yield server
+    server.close()
+
+
+@pytest.mark.parametrize("status_server", [503], indirect=True)
+@pytest.mark.parametrize("protocol", ["gs", "s3"])
+def test_transient_errors_are_retried_by_one_layer(status_server, protocol, caplog):
+    """Before: each of our attempts was gcsfs's 6 (sleeping 31 s in all) or s3fs's 5 times botocore's."""
+    s = Storage(f"{protocol}://bucket/run", status_server.options(protocol), retries=3, backoff=0.01)
+    with caplog.at_level(logging.WARNING, logger="ft_checkpoint"), \
+            pytest.raises(StorageError, match=r"still failing after 3 attempts in .*HINT: the storage service may be down"):
+        s.listdir("")
+    assert status_server.requests == 3, "one request per attempt of ours, none of the client's own"
+    retries_logged = [r for r in caplog.records if "retrying" in r.getMessage()]
+    assert len(retries_logged) == 1, caplog.text
+
+
+@pytest.mark.parametrize("status_server", [503], indirect=True)
+def test_transient_retries_stop_at_the_window(status_server, monkeypatch):
+    """However many ``retries``, an operation stops being retried after RETRY_WINDOW seconds."""
+    monkeypatch.setattr(storage_module, "RETRY_WINDOW", 0.5)
+    s = Storage("gs://bucket/run", status_server.options("gs"), retries=100_000, backoff=0.01)
+    with pytest.raises(StorageError, match=r"still failing after \d+ attempts in"):
+        s.listdir("")
+    assert 1 < status_server.requests < 1000
+
+
+@pytest.mark.parametrize("status_server", [403, 401], indirect=True)
+@pytest.mark.parametrize("protocol", ["gs", "s3"])
+def test_permission_denied_is_permanent_with_a_hint(status_server, protocol):
+    s = Storage(f"{protocol}://bucket/run", status_server.options(protocol), retries=5, backoff=0.01)
+    with pytest.raises(StoragePermissionError, match="(?s)permission denied.*HINT: check the credentials"):
+        s.write_bytes("x", b"denied")
+    assert status_server.requests == 1
