@@ -301,7 +301,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     signer = open_signer(args, storage)
     listing = list_checkpoints(storage, signer=signer)
     newest = listing.resume_step
-    pick = f"newest committed: step {newest} (a resume tries it first)" if newest is not None else \
+    signed = " with a signature that verifies" if signer is not None else ""
+    pick = f"newest committed{signed}: step {newest} (a resume tries it first)" if newest is not None else \
         "no committed step: a resume would start fresh"
     if listing.resume_step is None and any(i.status == UNVERIFIED for i in listing.steps):
         pick = "no step verifies with the key: a resume would stop with an error (the key or run name may be wrong)"

@@ -69,7 +69,7 @@ def test_ls_marks_the_newest_signed_step_for_resume(run, tmp_path):
     assert listing["resume_step"] == 2 == resume(copy, signing_key=KEY, run_name=run)[0]
     assert [s["status"] for s in listing["steps"]] == ["committed", "committed", "unverified", "unverified"]
     text = cli("ls", run, env=WITH_KEY).stdout
-    assert "resume would pick step 2" in text and "sizes and signatures checked" in text, text
+    assert "newest committed with a signature that verifies: step 2" in text and "sizes and signatures checked" in text, text
 
 
 def test_inspect_shows_a_verified_signature_and_refuses_a_forged_step(run):
