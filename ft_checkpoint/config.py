@@ -43,6 +43,9 @@ MAX_RETRIES = 1000
 MIN_GPU_FAILURE_RATE = 1e-12
 """The smallest prior failure rate per GPU-second (one failure in 31,700 GPU-years)."""
 MAX_CONFIG_FILE = 1 << 20
+DEFAULT_SUBDIR = "ft_checkpoints"
+"""Without a dirpath, the integrations put checkpoints in this folder of the framework's own run directory
+(Lightning's ``default_root_dir``, Accelerate's ``project_dir``)."""
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
@@ -85,6 +88,11 @@ class CheckpointConfig:
 
     async_save: bool = True
     """Write in the background after staging; False makes every save block until committed."""
+
+    final_save: bool = True
+    """At a clean end (Lightning's ``fit`` returns, ``ft.epochs()`` ends, ``CheckpointManager.close()``), save
+    the last step unless it is saved already: the final weights are in the directory, and a restart of the
+    finished run resumes at its end and trains no step again."""
 
     save_rng_state: bool = True
     """Save and restore each rank's RNG states (torch, CUDA, Python, NumPy) for bit-exact resume."""
@@ -309,6 +317,7 @@ _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "keep_every_n_steps": _int(1, optional=True),
     "storage_options": _check_storage_options,
     "async_save": _bool(),
+    "final_save": _bool(),
     "save_rng_state": _bool(),
     "verify_checksums": _bool(),
     "retries": _int(1, MAX_RETRIES),
@@ -331,7 +340,7 @@ def _parse_env_value(field: str, text: str) -> Any:
     word = text.strip().lower()
     if field in ("requeue", "keep_every_n_steps") and word in ("", "none", "auto"):
         return None
-    if field in ("async_save", "save_rng_state", "verify_checksums", "force_takeover", "requeue"):
+    if field in ("async_save", "final_save", "save_rng_state", "verify_checksums", "force_takeover", "requeue"):
         if word in _TRUE | _FALSE:
             return word in _TRUE
         _bad(field, text, "one of 1/0, true/false, yes/no, on/off")
