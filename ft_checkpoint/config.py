@@ -24,7 +24,7 @@ import difflib
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ft_checkpoint.errors import ConfigError
@@ -153,7 +153,7 @@ class CheckpointConfig:
 
     def replace(self, **changes: Any) -> CheckpointConfig:
         """A copy with ``changes`` applied (validated)."""
-        _check_names(changes)
+        check_names(changes)
         return dataclasses.replace(self, **changes)
 
     @classmethod
@@ -168,7 +168,7 @@ class CheckpointConfig:
             7
             >>> del os.environ["FT_CHECKPOINT_KEEP_LAST"]
         """
-        _check_names(explicit)
+        check_names(explicit)
         values = _from_file()
         values.update(_from_env())
         values.update({k: v for k, v in explicit.items() if v is not None})
@@ -176,6 +176,17 @@ class CheckpointConfig:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(CheckpointConfig))
+
+
+def given(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """The config fields among ``arguments`` that were given (not None): what an ``__init__`` that takes every
+    field as a keyword argument defaulting to None (the integrations') passes on, from its ``locals()``.
+
+    Example:
+        >>> given({"self": object(), "interval": 5, "keep_last": None})
+        {'interval': 5}
+    """
+    return {name: arguments[name] for name in FIELDS if arguments.get(name) is not None}
 
 
 def _bad(field: str, value: Any, allowed: str) -> None:
@@ -286,7 +297,15 @@ def _check_choice(*choices: str) -> Callable[[str, Any], str]:
     return check
 
 
-def _check_names(names: Any, where: str = "argument") -> None:
+def check_names(names: Any, where: str = "argument") -> None:
+    """Raise ConfigError for a name that is not a config field, with a HINT naming the closest one.
+
+    Example:
+        >>> check_names(["keep_lst"])
+        Traceback (most recent call last):
+        ...
+        ft_checkpoint.errors.ConfigError: unknown checkpoint config argument 'keep_lst'. HINT: did you mean 'keep_last'?
+    """
     for name in names:
         if not isinstance(name, str):
             raise ConfigError(f"checkpoint config {where} {short(name)} is not a field name. Known fields: "
@@ -395,5 +414,5 @@ def _from_file() -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping of field: value, got {type(data).__name__}")
-    _check_names(data, where=f"key in {path}:")
+    check_names(data, where=f"key in {path}:")
     return data

@@ -149,6 +149,11 @@ class CheckpointManager:
         return self.groups.rank
 
     @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (nothing can be saved or resumed any more)."""
+        return self._closed
+
+    @property
     def failed_saves(self) -> int:
         """Saves that failed (with ``on_save_error="warn"`` training goes on after them)."""
         return self._events.failed
