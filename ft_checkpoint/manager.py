@@ -462,7 +462,7 @@ class CheckpointManager:
         newest = self._events.last_committed if self._events.last_committed is not None else self.resumed_from
         resumes = f"a restart resumes from step {newest}" if newest is not None else "a restart starts fresh"
         if peer_lost(error):
-            lost = f"; the save in flight did not commit ({type(failed).__name__})" if failed is not None else ""
+            lost = "; the save in flight did not commit" if failed is not None else ""
             log.warning("rank %d stops: a peer rank is gone (%s)%s; %s, the newest committed", self.rank,
                         short_error(error), lost, resumes)
         elif failed is not None:
