@@ -192,7 +192,7 @@ def test_says_on_stderr_where_checkpoints_go_and_when_the_first_save_is_due(make
     FaultTolerantCheckpoint(acc, str(tmp_path / "ckpt")).close()
     err = capsys.readouterr().err
     assert re.search(r"^ft-checkpoint: checkpoints go to \S+ckpt, adaptive interval: the first save comes about "
-                     r"[\d.]+ min in .*a shorter run saves only on a preemption notice", err, re.M), err
+                     r"[\d.]+ min in .*a run that fails sooner has nothing to resume from", err, re.M), err
 
 
 def test_manual_accumulation_saves_only_after_optimizer_steps(make_accelerator, clean_env):
