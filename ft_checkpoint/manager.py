@@ -287,7 +287,14 @@ class CheckpointManager:
         return stats
 
     def has_saved(self, step: int) -> bool:
-        """Whether ``step`` (or a later one) was saved by this run or resumed from: a final save would repeat it."""
+        """Whether ``step`` (or a later one) was saved by this run or resumed from: a final save would repeat it.
+
+        Example:
+            >>> with CheckpointManager("memory://doc/has-saved", interval=2, announce=False) as m:
+            ...     _ = m.maybe_save(2, {"step": 2})
+            ...     m.has_saved(2), m.has_saved(3)
+            (True, False)
+        """
         last = self.last_save.step if self.last_save is not None else None
         return any(s is not None and s >= step for s in (last, self.resumed_from))
 
@@ -453,6 +460,13 @@ class CheckpointManager:
         """Close after the training raised ``error``: no clean end, no final save, and nothing raised. What
         matters is the training's own traceback, so a save in flight that failed too is one log line (no
         traceback); when ``error`` says a peer rank is gone, one line says so and where the job resumes.
+        ``with CheckpointManager(...)`` calls it when its block raises.
+
+        Example:
+            >>> m = CheckpointManager("memory://doc/close-after", interval=2, announce=False)
+            >>> m.close_after(RuntimeError("Read error: Connection reset by peer"))   # logs one warning
+            >>> m.closed
+            True
         """
         try:
             self.close(clean=False)

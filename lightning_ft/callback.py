@@ -99,7 +99,7 @@ class _Lazy(Mapping[str, Any]):
 def _resumes(trainer: pl.Trainer) -> bool:
     """Whether a FaultTolerantCheckpoint of ``trainer`` has a committed step to resume from."""
     callbacks = trainer.callbacks  # type: ignore[attr-defined]
-    return any(cb.has_checkpoint(trainer) for cb in callbacks if isinstance(cb, FaultTolerantCheckpoint))
+    return any(cb._has_checkpoint(trainer) for cb in callbacks if isinstance(cb, FaultTolerantCheckpoint))
 
 
 class FaultTolerantCheckpoint(Checkpoint):
@@ -323,7 +323,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         run_within(self.drain_timeout, lambda: self._drain_after(trainer, exception, save))
 
     # -- resuming ------------------------------------------------------------------------------
-    def has_checkpoint(self, trainer: pl.Trainer) -> bool:
+    def _has_checkpoint(self, trainer: pl.Trainer) -> bool:
         """Whether this callback's directory holds a committed step (a fit would resume from it)."""
         dirpath, _ = self._resolve_dirpath(trainer)
         config = CheckpointConfig.from_env(**self.config)
