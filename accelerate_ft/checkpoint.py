@@ -25,16 +25,19 @@ Example:
 
 from __future__ import annotations
 
-import difflib
+import datetime
 import logging
+import os
+import sys
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from accelerate_ft import _accelerate_internals as internals
 from accelerate_ft import data
-from accelerate_ft.plugin import SETTINGS, FaultTolerantCheckpointPlugin
+from accelerate_ft.plugin import FaultTolerantCheckpointPlugin
 from accelerate_ft.state import accelerator_state
 from ft_checkpoint import CheckpointManager, ConfigError, SavePolicy, SaveStats
+from ft_checkpoint.config import DEFAULT_SUBDIR, check_names, given
 from ft_checkpoint.state import rng_state
 
 if TYPE_CHECKING:
@@ -50,7 +53,7 @@ class FaultTolerantCheckpoint:
 
     Create it on every rank after ``accelerator.prepare(...)``; it resumes at once from the newest
     verified checkpoint, if any. One line on stderr (main process) says where checkpoints go, what was
-    resumed and when the first save is due. It saves models, optimizers
+    resumed (the step, and the epoch and batch it continues at) and when the first save is due. It saves models, optimizers
     (through DCP's state-dict helpers, so FSDP shards stay sharded; under DDP the buffers are rank
     0's; under the DeepSpeed plugin each engine saves itself, see ``ft_checkpoint.deepspeed``),
     schedulers, the grad scaler, objects passed to ``accelerator.register_for_checkpointing``,
@@ -59,17 +62,23 @@ class FaultTolerantCheckpoint:
     Saves happen only right after an optimizer step: at the sync points of ``accelerator.accumulate``,
     and in a loop that accumulates by hand (``if step % accum == 0: optimizer.step()``) after the
     batches whose ``optimizer.step()`` ran; so a checkpoint never needs half-accumulated gradients.
-    ``with`` or :meth:`close` ends it; without either it closes when the interpreter exits (journaled
-    as a clean end unless an exception ended the program).
+    When :meth:`epochs` ends (and at the end of a ``with`` block or :meth:`close`), the last step is saved
+    unless it is already (``final_save``): a restart of the finished run resumes at its end and trains no
+    step. ``with`` or :meth:`close` ends it; without either it closes when the interpreter exits (journaled
+    as a clean end unless an exception ended the program). After an exception (a peer rank that died
+    included) it closes with one log line, never a traceback of its own.
 
     Args:
         accelerator: The ``Accelerator`` that prepared the training objects.
-        dirpath: Local path or fsspec URL (``s3://bucket/run``); else ``FT_CHECKPOINT_DIRPATH`` or the
-            YAML file named by ``FT_CHECKPOINT_CONFIG``.
-        plugin: A :class:`FaultTolerantCheckpointPlugin` instead of ``dirpath`` and ``**config``.
+        dirpath: Local path or fsspec URL (``s3://bucket/run``); else ``FT_CHECKPOINT_DIRPATH``, the
+            YAML file named by ``FT_CHECKPOINT_CONFIG``, or ``<accelerator.project_dir>/ft_checkpoints``
+            when the accelerator has a ``project_dir``.
+        plugin: A :class:`FaultTolerantCheckpointPlugin` instead of ``dirpath`` and the settings.
         policy: A core ``SavePolicy`` replacing the one ``interval`` names.
-        **config: Any ``CheckpointConfig`` field: ``interval`` (optimizer steps or ``"30m"``),
-            ``keep_last``, ``storage_options``, ``async_save``, ...
+        interval: ...and every other keyword: the fields of :class:`ft_checkpoint.CheckpointConfig`, with their
+            types (``interval``: optimizer steps, ``"30m"`` or ``"adaptive"``; ``keep_last``, ``storage_options``,
+            ``async_save``, ``final_save``, ...). None (the default): from ``FT_CHECKPOINT_<FIELD>``, the file,
+            else the config's default.
 
     Example:
         >>> import torch
@@ -84,12 +93,26 @@ class FaultTolerantCheckpoint:
 
     def __init__(self, accelerator: Accelerator, dirpath: str | None = None, *,
                  plugin: FaultTolerantCheckpointPlugin | None = None, policy: SavePolicy | None = None,
-                 **config: Any) -> None:
-        if plugin is not None and (dirpath is not None or config):
+                 interval: int | datetime.timedelta | str | None = None,
+                 min_interval: float | str | datetime.timedelta | None = None,
+                 max_interval: float | str | datetime.timedelta | None = None,
+                 mtbf: float | str | datetime.timedelta | None = None, gpu_failure_rate: float | None = None,
+                 keep_last: int | None = None, keep_every_n_steps: int | None = None,
+                 storage_options: dict[str, Any] | None = None, async_save: bool | None = None,
+                 final_save: bool | None = None, save_rng_state: bool | None = None,
+                 verify_checksums: bool | None = None, retries: int | None = None,
+                 progress_interval: float | str | datetime.timedelta | None = None, force_takeover: bool | None = None,
+                 on_save_error: str | None = None, preemption_signals: tuple[str, ...] | list[str] | str | None = None,
+                 requeue: bool | None = None, end_time_margin: float | str | datetime.timedelta | None = None,
+                 preemption_exit_code: int | None = None, writer: str | None = None, writer_priority: int | None = None,
+                 writers: int | None = None, signing_key: str | None = None, signing_key_file: str | None = None,
+                 run_name: str | None = None, **misspelled: Any) -> None:
+        check_names(misspelled)
+        config = given(locals())
+        if plugin is not None and config:
             raise ConfigError("pass either plugin= or dirpath/config arguments, not both. "
                               "HINT: put every setting in the plugin")
-        _check_config_names(config)
-        self.plugin = plugin or FaultTolerantCheckpointPlugin(dirpath=dirpath, **config)
+        self.plugin = plugin or FaultTolerantCheckpointPlugin(**config)
         self.accelerator = accelerator
         self.global_step = 0
         """Optimizer steps done (gradient-accumulation sync points), including those before a resume."""
@@ -103,8 +126,10 @@ class FaultTolerantCheckpoint:
         self._saves_to_report: list[SaveStats] = []
         self.state = accelerator_state(accelerator)
         self.state["progress"] = _Progress(self)
-        self.manager = CheckpointManager(policy=policy, **self.plugin.manager_kwargs())
+        self.manager = CheckpointManager(policy=policy, announce=False, **self._manager_kwargs())
         self._stepped = False
+        self._accumulates_by_hand = False
+        """Whether a batch without an optimizer step was seen (here or in the run that saved)."""
         self._step_hooks = [opt.register_step_post_hook(self._optimizer_stepped)
                             for opt in internals.optimizers(accelerator) if hasattr(opt, "register_step_post_hook")]
         self._closed = False
@@ -112,16 +137,29 @@ class FaultTolerantCheckpoint:
         """The global step resumed from, or None on a fresh start."""
         if self.resumed_from is not None:
             self._rng_after_resume = rng_state()
-            if self.manager.rank == 0:
-                log.info("resumed at global step %d: epoch %d, %d of its batches done", self.global_step, self.epoch,
-                         self._batches_done)
+        if self.manager.rank == 0:  # the one line a start gets (the manager's own is off)
+            position = f"epoch {self.epoch}, {self._batches_done} batches of it done"
+            print(f"ft-checkpoint: {self.manager.describe_start(position)}", file=sys.stderr, flush=True)
+
+    def _manager_kwargs(self) -> dict[str, Any]:
+        """The plugin's settings; without a dirpath anywhere, ``<accelerator.project_dir>/ft_checkpoints``."""
+        kwargs = self.plugin.manager_kwargs()
+        project_dir = getattr(self.accelerator, "project_dir", None)
+        if kwargs["dirpath"] is None and project_dir:
+            kwargs["dirpath"] = os.path.join(project_dir, DEFAULT_SUBDIR)
+        elif kwargs["dirpath"] is None:
+            raise ConfigError("FaultTolerantCheckpoint has no dirpath. HINT: pass one, set FT_CHECKPOINT_DIRPATH, put "
+                              "it in the YAML file named by FT_CHECKPOINT_CONFIG, or create the Accelerator with "
+                              "project_dir=... (checkpoints then go to <project_dir>/ft_checkpoints)")
+        return kwargs
 
     # -- the loop ------------------------------------------------------------------------------
     def epochs(self, num_epochs: int) -> Iterator[int]:
         """The epochs still to run: ``range(num_epochs)`` from the resumed epoch on.
 
-        When the last epoch is done, waits until the last save committed (so that a following
-        ``accelerator.end_training()`` cannot end the process group under a save in flight).
+        When the last epoch is done, saves the last step unless it is saved already (``final_save``), and
+        waits until the last save committed (so that a following ``accelerator.end_training()`` cannot end
+        the process group under a save in flight).
 
         Example:
             >>> for epoch in ft.epochs(3):   # doctest: +SKIP
@@ -132,6 +170,7 @@ class FaultTolerantCheckpoint:
             yield epoch
             if self.epoch == epoch:  # batches() did not run to the end (a break, or not called)
                 self._start_next_epoch()
+        self._save_final()
         self.manager.wait()
         self._report_commits()
 
@@ -150,11 +189,15 @@ class FaultTolerantCheckpoint:
                 continues exactly; this costs their loading time. False skips them by index: faster,
                 exact only if ``__getitem__`` draws no random numbers.
 
+        A loop that steps its optimizer on some batches only, by an index (``if step % accum == 0``), takes
+        the index from :meth:`enumerate`: after a resume in the middle of an epoch, a warning says so.
+
         Example:
             >>> for batch in ft.batches(train_loader):   # doctest: +SKIP
             ...     with accelerator.accumulate(model):
             ...         accelerator.backward(model(batch)); optimizer.step(); optimizer.zero_grad()
         """
+        self._warn_if_an_index_restarts()
         for _, batch in self.enumerate(loader, replay_in_workers=replay_in_workers):
             yield batch
 
@@ -173,7 +216,11 @@ class FaultTolerantCheckpoint:
         reader = self._open_epoch(loader, replay_in_workers)
         for index, batch in reader:
             self._stepped = False
-            yield index, batch
+            try:
+                yield index, batch
+            except GeneratorExit:  # the loop broke out (or returned) after this batch
+                self._count_step(index)
+                raise
             self._batches_done = index + 1
             self._after_batch()
         self._start_next_epoch()
@@ -185,19 +232,24 @@ class FaultTolerantCheckpoint:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def close(self) -> None:
-        """Wait until the last save committed (re-raising a background error), then release the writer."""
+        """Save the last step unless it is saved already (``final_save``), wait until the last save committed
+        (re-raising a background error), then release the writer."""
         self._release()
-        self.manager.close()
+        try:
+            self._save_final()
+        finally:
+            self.manager.close(final=False)
         self._report_commits()
 
     def __enter__(self) -> FaultTolerantCheckpoint:
         return self
 
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, *_: Any) -> None:
+        if exc is None:
+            self.close()
+            return
         self._release()
-        self.manager.__exit__(exc_type, *exc)
-        if exc_type is None:
-            self._report_commits()
+        self.manager.close_after(exc)
 
     # -- internals -----------------------------------------------------------------------------
     def _open_epoch(self, loader: Iterable[Any], replay_in_workers: bool) -> data.EpochReader:
@@ -217,6 +269,18 @@ class FaultTolerantCheckpoint:
         self._prefetched = []
         return self._reader
 
+    def _warn_if_an_index_restarts(self) -> None:
+        """In an epoch resumed mid-way by a loop that accumulates by hand: ``enumerate(ft.batches(loader))`` would
+        count from 0 again, so other batches would step the optimizer than in the uninterrupted run."""
+        if self._rng_after_resume is None or not self._batches_done or not self._accumulates_by_hand:
+            return
+        if self.manager.rank == 0:
+            log.warning("epoch %d resumes at batch %d, and this loop steps the optimizer on some batches only "
+                        "(accumulation by hand): an index from enumerate(ft.batches(loader)) starts at 0 again, so "
+                        "other batches step than in the uninterrupted run and the result differs. HINT: for step, "
+                        "batch in ft.enumerate(loader) continues the index at %d", self.epoch, self._batches_done,
+                        self._batches_done)
+
     def _start_next_epoch(self) -> None:
         self.epoch += 1
         self._batches_done = 0
@@ -226,19 +290,40 @@ class FaultTolerantCheckpoint:
     def _optimizer_stepped(self, *_: Any) -> None:
         self._stepped = True
 
+    def _save_final(self) -> None:
+        """The clean end of the loop: save the step reached unless it is saved already (``final_save``)."""
+        if self.manager.closed or not self.manager.config.final_save or not self.global_step \
+                or self.manager.has_saved(self.global_step):
+            return
+        metadata = {"epoch": self.epoch, "batches_done": self._batches_done}
+        self._started(self.manager.save(self.global_step, self.state, epoch=self.epoch, metadata=metadata))
+
+    def _count_step(self, index: int) -> None:
+        """The loop left during batch ``index`` (a ``break``): count it if its optimizer step ran, so that the
+        counters match the weights a final save writes; no save here."""
+        if self.accelerator.sync_gradients and self._step_hooks and self._stepped:
+            self._batches_done = index + 1
+            self.global_step += 1
+
     def _after_batch(self) -> None:
         if not self.accelerator.sync_gradients:
             return  # mid-accumulation: the partial gradients are not saved, so never save here
         if self._step_hooks and not self._stepped:
+            self._accumulates_by_hand = True
             return  # accumulating by hand (no optimizer step in this batch): not a step boundary either
         self.global_step += 1
         self._report_commits()
         metadata = {"epoch": self.epoch, "batches_done": self._batches_done}
         if self.manager.maybe_save(self.global_step, self.state, epoch=self.epoch, metadata=metadata):
-            assert self.manager.last_save is not None
-            self._saves_to_report.append(self.manager.last_save)
-            started = self.manager.metrics()  # this save's stall and the current interval
-            self._log({k: v for k, v in started.items() if k not in ("durable_s", "bytes")})
+            self._started(self.manager.last_save)
+
+    def _started(self, stats: SaveStats | None) -> None:
+        """Log a save that started (its stall and the current interval); its commit is logged later."""
+        if stats is None:
+            return
+        self._saves_to_report.append(stats)
+        started = self.manager.metrics()
+        self._log({k: v for k, v in started.items() if k not in ("durable_s", "bytes")})
 
     def _report_commits(self) -> None:
         """Log time to durable and bytes of the saves that committed since the last call."""
@@ -272,6 +357,7 @@ class _Progress:
         return {"global_step": hook.global_step, "epoch": hook.epoch,
                 "batches_done": hook._batches_done, "epoch_start": hook._epoch_start,
                 "prefetched_rng": reader.prefetched(hook._batches_done) if reader is not None else [],
+                "accumulates_by_hand": hook._accumulates_by_hand,
                 "accumulation_step": acc.step, "gradient_accumulation_steps": acc.gradient_accumulation_steps,
                 "num_processes": acc.num_processes}
 
@@ -280,6 +366,7 @@ class _Progress:
         hook.global_step, hook.epoch = state["global_step"], state["epoch"]
         hook._batches_done, hook._epoch_start = state["batches_done"], state["epoch_start"]
         hook._prefetched = state.get("prefetched_rng", [])  # absent in checkpoints saved by 0.1.0
+        hook._accumulates_by_hand = state.get("accumulates_by_hand", False)  # absent in older checkpoints
         acc.step = state["accumulation_step"]
         for name, now in (("num_processes", acc.num_processes),
                           ("gradient_accumulation_steps", acc.gradient_accumulation_steps)):
@@ -287,10 +374,3 @@ class _Progress:
                 log.warning("the checkpoint was saved with %s=%s, this run has %s: model and optimizer are "
                             "restored, but the data position of the resumed epoch is not exact", name, state[name], now)
 
-
-def _check_config_names(config: dict[str, Any]) -> None:
-    for name in config:
-        if name not in SETTINGS:
-            close = difflib.get_close_matches(name, SETTINGS, n=1)
-            hint = f"did you mean {close[0]!r}?" if close else f"known settings: {', '.join(SETTINGS)}"
-            raise ConfigError(f"FaultTolerantCheckpoint got an unknown setting {name!r}. HINT: {hint}")

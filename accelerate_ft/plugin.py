@@ -21,30 +21,25 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from typing import Any
 
 from ft_checkpoint import CheckpointConfig
+from ft_checkpoint.config import FIELDS
 
-# One field per core setting, each defaulting to None ("not given"): generated, so the plugin always
-# offers exactly the settings of ``CheckpointConfig`` (documented there) and never drifts from it; a field the
-# core keeps out of its repr (``signing_key``) stays out of the plugin's.
-_Settings = dataclasses.make_dataclass(
-    "_Settings", [(f.name, f.type if str(f.type).endswith("| None") else f"{f.type} | None",
-                   dataclasses.field(default=None, repr=f.repr)) for f in dataclasses.fields(CheckpointConfig)],
-    kw_only=True)
-
-SETTINGS = tuple(f.name for f in dataclasses.fields(CheckpointConfig))
-"""The names a plugin (and ``FaultTolerantCheckpoint(**config)``) accepts."""
+SETTINGS = FIELDS
+"""The names a plugin (and ``FaultTolerantCheckpoint``) takes: the fields of ``CheckpointConfig``, in order."""
 
 
 @dataclasses.dataclass(kw_only=True)
-class FaultTolerantCheckpointPlugin(_Settings):  # type: ignore[valid-type, misc]  # a generated base
+class FaultTolerantCheckpointPlugin:
     """Settings of :class:`~accelerate_ft.FaultTolerantCheckpoint`; None means "from env or file".
 
-    Its fields are those of :class:`ft_checkpoint.CheckpointConfig`, each defaulting to None:
-    ``dirpath``, ``interval``, ``keep_last``, ``storage_options``, ``async_save``, ... After
-    construction every field holds its resolved value (explicit > ``FT_CHECKPOINT_<FIELD>`` env var
-    > the file in ``FT_CHECKPOINT_CONFIG`` > default), and ``config`` the validated core config.
+    Its fields are those of :class:`ft_checkpoint.CheckpointConfig` (documented there, with their defaults),
+    in the same order and with the same types, each defaulting to None: ``dirpath``, ``interval``,
+    ``keep_last``, ``storage_options``, ``async_save``, ``final_save``, ... (a test keeps them in step). After
+    construction every field holds its resolved value (explicit > ``FT_CHECKPOINT_<FIELD>`` env var > the file
+    in ``FT_CHECKPOINT_CONFIG`` > default), and ``config`` the validated core config.
 
     Example:
         >>> import os
@@ -55,6 +50,34 @@ class FaultTolerantCheckpointPlugin(_Settings):  # type: ignore[valid-type, misc
         '/tmp/ft-doc/explicit'
         >>> del os.environ["FT_CHECKPOINT_DIRPATH"]
     """
+
+    dirpath: str | None = None
+    interval: int | datetime.timedelta | str | None = None
+    min_interval: float | str | datetime.timedelta | None = None
+    max_interval: float | str | datetime.timedelta | None = None
+    mtbf: float | str | datetime.timedelta | None = None
+    gpu_failure_rate: float | None = None
+    keep_last: int | None = None
+    keep_every_n_steps: int | None = None
+    storage_options: dict[str, Any] | None = None
+    async_save: bool | None = None
+    final_save: bool | None = None
+    save_rng_state: bool | None = None
+    verify_checksums: bool | None = None
+    retries: int | None = None
+    progress_interval: float | str | datetime.timedelta | None = None
+    force_takeover: bool | None = None
+    on_save_error: str | None = None
+    preemption_signals: tuple[str, ...] | list[str] | str | None = None
+    requeue: bool | None = None
+    end_time_margin: float | str | datetime.timedelta | None = None
+    preemption_exit_code: int | None = None
+    writer: str | None = None
+    writer_priority: int | None = None
+    writers: int | None = None
+    signing_key: str | None = dataclasses.field(default=None, repr=False)
+    signing_key_file: str | None = None
+    run_name: str | None = None
 
     config: CheckpointConfig = dataclasses.field(init=False, repr=False)
     """The resolved, validated core config."""

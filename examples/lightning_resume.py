@@ -8,8 +8,9 @@ the child runs in a fresh working directory) and saves every 10 steps in the bac
 through, the training is killed with SIGKILL right after a step (``--kill-after``; no clean shutdown,
 like a lost node or an OOM kill), then the parent starts it again with the very same command:
 ``trainer.fit`` finds the newest verified checkpoint by itself and continues from it. At the end it
-prints the step it resumed from, how many steps were computed twice, and the mean training stall per
-save next to what a synchronous ``torch.save`` of the same state takes.
+prints the step it resumed from, how many steps were computed twice, the newest checkpoint (the last
+step: a clean end of ``fit`` saves it), and the mean training stall per save next to what a synchronous
+``torch.save`` of the same state takes.
 
     python examples/lightning_resume.py --train [--steps N]
 
@@ -97,7 +98,8 @@ def train(steps: int, crash_after: int | None = None) -> None:
         trainer.save_checkpoint("sync_save.ckpt")
         seconds.append(time.perf_counter() - t0)
     emit(event="done", step=trainer.global_step, resumed_from=ft.resumed_from, weights_sha256=weights_sha256(model),
-         sync_save=sorted(seconds)[1])
+         sync_save=sorted(seconds)[1], stalls=ft.stalls[state["reported"]:],  # the final save, at the end of fit
+         newest=ft.saves[-1].step if ft.saves else ft.resumed_from)
 
 
 def weights_sha256(model) -> str:
@@ -143,12 +145,13 @@ def main() -> None:
     killed_at = max(e["step"] for e in first if e["event"] == "step")
     start = next(e for e in second if e["event"] == "start")
     done = next(e for e in second if e["event"] == "done")
-    stalls = [s for e in first + second if e["event"] == "step" for s in e["stalls"]]
+    stalls = [s for e in first + second if e["event"] in ("step", "done") for s in e["stalls"]]
     resumed = start["resumed_from"]
     print(f"checkpoints        {os.path.join(workdir, 'ft_checkpoints')}  (the default dirpath)")
     print(f"killed (SIGKILL)   after step {killed_at} of {done['step']}")
     print(f"resumed from       step {resumed}" if resumed is not None else "resumed from       nothing (fresh start)")
     print(f"steps recomputed   {killed_at - (resumed or 0)}")
+    print(f"newest checkpoint  step {done['newest']} (a clean end of fit saves its last step)")
     print(f"stall per save     {1000 * sum(stalls) / max(1, len(stalls)):.1f} ms mean over {len(stalls)} saves "
           f"(training continues while the write runs)")
     print(f"sync torch.save    {1000 * done['sync_save']:.1f} ms for the same state (trainer.save_checkpoint, median of 3)")

@@ -24,7 +24,7 @@ import difflib
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ft_checkpoint import signing
@@ -44,6 +44,9 @@ MAX_RETRIES = 1000
 MIN_GPU_FAILURE_RATE = 1e-12
 """The smallest prior failure rate per GPU-second (one failure in 31,700 GPU-years)."""
 MAX_CONFIG_FILE = 1 << 20
+DEFAULT_SUBDIR = "ft_checkpoints"
+"""Without a dirpath, the integrations put checkpoints in this folder of the framework's own run directory
+(Lightning's ``default_root_dir``, Accelerate's ``project_dir``)."""
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
@@ -86,6 +89,11 @@ class CheckpointConfig:
 
     async_save: bool = True
     """Write in the background after staging; False makes every save block until committed."""
+
+    final_save: bool = True
+    """At a clean end (Lightning's ``fit`` returns, ``ft.epochs()`` ends, ``CheckpointManager.close()``), save
+    the last step unless it is saved already: the final weights are in the directory, and a restart of the
+    finished run resumes at its end and trains no step again."""
 
     save_rng_state: bool = True
     """Save and restore each rank's RNG states (torch, CUDA, Python, NumPy) for bit-exact resume."""
@@ -162,7 +170,7 @@ class CheckpointConfig:
 
     def replace(self, **changes: Any) -> CheckpointConfig:
         """A copy with ``changes`` applied (validated)."""
-        _check_names(changes)
+        check_names(changes)
         return dataclasses.replace(self, **changes)
 
     @classmethod
@@ -177,7 +185,7 @@ class CheckpointConfig:
             7
             >>> del os.environ["FT_CHECKPOINT_KEEP_LAST"]
         """
-        _check_names(explicit)
+        check_names(explicit)
         values = _from_file()
         values.update(_from_env())
         values.update({k: v for k, v in explicit.items() if v is not None})
@@ -185,6 +193,17 @@ class CheckpointConfig:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(CheckpointConfig))
+
+
+def given(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """The config fields among ``arguments`` that were given (not None): what an ``__init__`` that takes every
+    field as a keyword argument defaulting to None (the integrations') passes on, from its ``locals()``.
+
+    Example:
+        >>> given({"self": object(), "interval": 5, "keep_last": None})
+        {'interval': 5}
+    """
+    return {name: arguments[name] for name in FIELDS if arguments.get(name) is not None}
 
 
 def _bad(field: str, value: Any, allowed: str) -> None:
@@ -314,7 +333,15 @@ def _check_choice(*choices: str) -> Callable[[str, Any], str]:
     return check
 
 
-def _check_names(names: Any, where: str = "argument") -> None:
+def check_names(names: Any, where: str = "argument") -> None:
+    """Raise ConfigError for a name that is not a config field, with a HINT naming the closest one.
+
+    Example:
+        >>> check_names(["keep_lst"])
+        Traceback (most recent call last):
+        ...
+        ft_checkpoint.errors.ConfigError: unknown checkpoint config argument 'keep_lst'. HINT: did you mean 'keep_last'?
+    """
     for name in names:
         if not isinstance(name, str):
             raise ConfigError(f"checkpoint config {where} {short(name)} is not a field name. Known fields: "
@@ -345,6 +372,7 @@ _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "keep_every_n_steps": _int(1, optional=True),
     "storage_options": _check_storage_options,
     "async_save": _bool(),
+    "final_save": _bool(),
     "save_rng_state": _bool(),
     "verify_checksums": _bool(),
     "retries": _int(1, MAX_RETRIES),
@@ -370,7 +398,7 @@ def _parse_env_value(field: str, text: str) -> Any:
     word = text.strip().lower()
     if field in ("requeue", "keep_every_n_steps") and word in ("", "none", "auto"):
         return None
-    if field in ("async_save", "save_rng_state", "verify_checksums", "force_takeover", "requeue"):
+    if field in ("async_save", "final_save", "save_rng_state", "verify_checksums", "force_takeover", "requeue"):
         if word in _TRUE | _FALSE:
             return word in _TRUE
         _bad(field, text, "one of 1/0, true/false, yes/no, on/off")
@@ -425,5 +453,5 @@ def _from_file() -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping of field: value, got {type(data).__name__}")
-    _check_names(data, where=f"key in {path}:")
+    check_names(data, where=f"key in {path}:")
     return data

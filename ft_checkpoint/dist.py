@@ -90,6 +90,46 @@ class Groups:
         return result
 
 
+PEER_GONE = ("connection reset by peer", "connection closed by peer")
+"""What a collective's error says when a process of the job died (gloo, the TCP store; lower case)."""
+
+
+def peer_lost(error: BaseException) -> bool:
+    """Whether ``error`` (or an exception it was raised from) says that a peer process of the job is gone.
+
+    Socket errors (``OSError``: a storage server that reset a connection) are not collectives' and do not count.
+
+    Example:
+        >>> peer_lost(RuntimeError("[pair.cc:537] Read error [127.0.0.1]:53893: Connection reset by peer."))
+        True
+        >>> peer_lost(ValueError("loss is nan")), peer_lost(ConnectionResetError("Connection reset by peer"))
+        (False, False)
+    """
+    seen: set[int] = set()
+    node: BaseException | None = error
+    while node is not None and id(node) not in seen:
+        seen.add(id(node))
+        if not isinstance(node, OSError) and any(words in str(node).lower() for words in PEER_GONE):
+            return True
+        node = node.__cause__ or node.__context__
+    return False
+
+
+def short_error(error: BaseException, limit: int = 160) -> str:
+    """``Type: message`` on one line, without gloo's ``[file.cc:123]`` prefix and its advice, at most ``limit`` characters.
+
+    Example:
+        >>> short_error(RuntimeError("[pair.cc:537] Read error: Connection reset by peer. This is typically caused by"))
+        'RuntimeError: Read error: Connection reset by peer'
+    """
+    text = (str(error).strip().splitlines() or [""])[0]
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    text = text.split(". This is typically")[0].rstrip(".")
+    text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _picklable(obj: Any) -> bool:
     try:
         pickle.loads(pickle.dumps(obj))

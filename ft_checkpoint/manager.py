@@ -28,7 +28,7 @@ from ft_checkpoint import layout
 from ft_checkpoint.adaptive.policy import AdaptiveInterval
 from ft_checkpoint.config import CheckpointConfig
 from ft_checkpoint.cost import CostMeter
-from ft_checkpoint.dist import Groups
+from ft_checkpoint.dist import Groups, peer_lost, short_error
 from ft_checkpoint.engine import CheckpointEngine, SaveStats
 from ft_checkpoint.errors import ConfigError, LeaseError, Preempted, SaveError
 from ft_checkpoint.journal import Journal, attempt_summaries
@@ -49,6 +49,7 @@ from ft_checkpoint.signing import Signer
 from ft_checkpoint.slurm import SlurmJob, requeue
 from ft_checkpoint.state import (
     Participants,
+    check_tensors_match,
     describe_participants,
     rng_state,
     set_rng_state,
@@ -76,9 +77,11 @@ class CheckpointManager:
     ``save``/``close`` at the same steps (the step-based policies guarantee it; time-based ones are
     decided by rank 0 and broadcast).
 
-    Closing: ``with CheckpointManager(...)`` or ``close()`` waits for the last save and records a clean end;
-    a manager still open at interpreter exit is closed then (a clean end unless an uncaught exception is
-    ending the program).
+    Closing: ``with CheckpointManager(...)`` or ``close()`` saves the last step ``maybe_save`` was given
+    unless it is saved already (``final_save``; ``close(final=False)`` skips it), waits for the last save
+    and records a clean end: a restart of the finished run resumes at its end. A manager still open at
+    interpreter exit is closed then, without that final save (a clean end unless an uncaught exception is
+    ending the program). After an exception it closes in one log line, naming a peer rank that is gone.
 
     Preemption: the signals in ``preemption_signals`` (SIGTERM, SIGUSR1) and, on Slurm, the job's
     time limit only raise a flag; at the next ``maybe_save`` every rank agrees, the step is saved
@@ -91,9 +94,9 @@ class CheckpointManager:
                  **config: Any) -> None:
         self.config = c = CheckpointConfig.from_env(dirpath=dirpath, **config)
         self.announce = announce
-        """Print where checkpoints go, the resume and when the first save is due, once, on stderr (rank 0).
-        Integrations with a channel of their own (Lightning's rank-zero info) pass False and use
-        :meth:`describe_start`."""
+        """Print where checkpoints go, the resume and when the first save is due, once, on stderr (rank 0): the
+        one line a start gets (the log has it at DEBUG only). Integrations with a line of their own (Lightning's
+        rank-zero info, Accelerate's with the data position) pass False and use :meth:`describe_start`."""
         if c.dirpath is None:
             raise ConfigError("dirpath is required: pass it, set FT_CHECKPOINT_DIRPATH, or put it in the "
                               "YAML file named by FT_CHECKPOINT_CONFIG")
@@ -136,6 +139,10 @@ class CheckpointManager:
         self.resumed_from: int | None = None
         self.resumed_rng: dict[str, Any] | None = None
         """The RNG states the last resume found for this rank (see ``resume(restore_rng=False)``)."""
+        self.loaded: str | None = None
+        """What the last resume loaded, in words: ``"3.6 MB verified and loaded in 0.1 s"``."""
+        self._offered: tuple[int, Mapping[str, Any], dict[str, Any]] | None = None
+        """The last ``maybe_save``'s step, state and options: what a final save saves."""
         self._newest_committed: int | None = self.latest()
         self._participants = Participants()
         self._last_save_time = time.monotonic()
@@ -144,6 +151,11 @@ class CheckpointManager:
     @property
     def rank(self) -> int:
         return self.groups.rank
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (nothing can be saved or resumed any more)."""
+        return self._closed
 
     @property
     def failed_saves(self) -> int:
@@ -202,15 +214,23 @@ class CheckpointManager:
         return "preempted set by the program" if self.preempted else None
 
     def maybe_save(self, step: int, state: Mapping[str, Any], *, epoch: int | None = None,
-                   metadata: dict[str, Any] | None = None) -> bool:
+                   metadata: dict[str, Any] | None = None, per_rank: dict[str, Any] | None = None) -> bool:
         """Save ``state`` as ``step`` if the policy says so; returns whether a save started.
 
         Call it at a step boundary (after the optimizer step), with the number of completed steps.
+        ``per_rank`` holds values that differ by rank, as in :meth:`save` (nanoGPT's prefetched batch).
+
+        Example:
+            >>> import torch
+            >>> with CheckpointManager("memory://doc/maybe-save", interval=1, announce=False) as m:
+            ...     m.maybe_save(1, {"w": torch.zeros(2)}, per_rank={"batch": torch.ones(2)})
+            True
         """
         self.note_step(step)
+        self._offered = (step, state, {"epoch": epoch, "metadata": metadata, "per_rank": per_rank})
         if not self.agree_to_save(step):
             return False
-        self.save(step, state, epoch=epoch, metadata=metadata)
+        self.save(step, state, epoch=epoch, metadata=metadata, per_rank=per_rank)
         self._cost.saved()
         if self.preempted:
             self.stop_for_preemption()
@@ -247,7 +267,8 @@ class CheckpointManager:
 
         Raises:
             StateMismatchError: ``step`` is not above every step committed in the directory (a restarted
-                counter, or a run pointed at another run's directory).
+                counter, or a run pointed at another run's directory); or a key of ``state`` holds a tensor on
+                some ranks and another type on others (raised here, on every rank, naming the key and types).
         """
         self._check_open()
         self._check_step_is_new(step)
@@ -258,7 +279,9 @@ class CheckpointManager:
                   "state": to_tree(per_rank) if per_rank is not None else None}
         plain, participants = self._participants.split(state)
         described = describe_participants(participants)
-        stats = self.engine.save(step, to_tree(plain), per_rank=ranked, files=lambda: stage_participants(participants),
+        tree = to_tree(plain)
+        check_tensors_match(tree, self.groups)
+        stats = self.engine.save(step, tree, per_rank=ranked, files=lambda: stage_participants(participants),
                                  manifest_fields={"epoch": epoch, "metadata": {**described, **(metadata or {})}},
                                  listener=self._events, called_at=called_at)
         self.last_save = stats
@@ -266,6 +289,34 @@ class CheckpointManager:
         if block or not self.config.async_save:
             self.wait()
         return stats
+
+    def has_saved(self, step: int) -> bool:
+        """Whether ``step`` (or a later one) was saved by this run or resumed from: a final save would repeat it.
+
+        Example:
+            >>> with CheckpointManager("memory://doc/has-saved", interval=2, announce=False) as m:
+            ...     _ = m.maybe_save(2, {"step": 2})
+            ...     m.has_saved(2), m.has_saved(3)
+            (True, False)
+        """
+        last = self.last_save.step if self.last_save is not None else None
+        return any(s is not None and s >= step for s in (last, self.resumed_from))
+
+    def save_final(self) -> SaveStats | None:
+        """Save the last step :meth:`maybe_save` was given, with its state as it is now, unless it is saved
+        already (:meth:`has_saved`); returns the save's stats, or None. ``close()`` calls it (``final_save``);
+        an integration calls it at the clean end of its loop. Call it on every rank.
+
+        Example:
+            >>> with CheckpointManager("memory://doc/final", interval=10, announce=False) as m:
+            ...     saved = [m.maybe_save(step, {"step": step}) for step in (1, 2, 3)]
+            ...     m.save_final().step, m.save_final()
+            (3, None)
+        """
+        if self._offered is None or self.has_saved(self._offered[0]):
+            return None
+        step, state, options = self._offered
+        return self.save(step, state, **options)
 
     def check_continues_from(self, step: int, *, why: str | None = None) -> None:
         """Raise StateMismatchError now if a run at ``step`` (resumed from elsewhere, e.g. ``fit(ckpt_path=...)``)
@@ -290,8 +341,10 @@ class CheckpointManager:
         out.update(policy_metrics(self.policy))
         return out
 
-    def describe_start(self) -> str:
+    def describe_start(self, position: str | None = None) -> str:
         """Where checkpoints go, what the last ``resume`` found, and when saves come, in one line.
+
+        ``position``: where the resumed run continues in its data, in an integration's words.
 
         Example:
             >>> m = CheckpointManager("memory://doc/describe", interval=50, announce=False)
@@ -299,18 +352,17 @@ class CheckpointManager:
             'checkpoints go to memory://doc/describe, a save every 50 steps'
             >>> m.close()
         """
-        where = f"checkpoints go to {self.storage.url}"
-        if self.resumed_from is not None:
-            where = f"resuming from step {self.resumed_from} of {self.storage.url}"
-        return f"{where}, {describe_policy(self.policy)}"
+        if self.resumed_from is None:
+            return f"checkpoints go to {self.storage.url}, {describe_policy(self.policy)}"
+        where = f"resuming from step {self.resumed_from}" + (f" ({position})" if position else "")
+        return f"{where} of {self.storage.url}, {describe_policy(self.policy)} ({self.loaded})"
 
-    def _announce_start(self, detail: str | None = None) -> None:
+    def _announce_start(self) -> None:
         if self._announced:
             return
         self._announced = True
         if self.announce and self.rank == 0:
-            text = self.describe_start() + (f" ({detail})" if detail else "")
-            print(f"ft-checkpoint: {text}", file=sys.stderr, flush=True)
+            print(f"ft-checkpoint: {self.describe_start()}", file=sys.stderr, flush=True)
 
     # -- resuming ------------------------------------------------------------------------------
     def resume(self, state: dict[str, Any], *, per_rank: dict[str, Any] | None = None,
@@ -339,8 +391,8 @@ class CheckpointManager:
         if self.signer is not None and self.rank == 0:
             warn_if_rolled_back(self.storage, found[0].step if found else None)
         if found is None:
-            if self.rank == 0:
-                log.info("no committed checkpoint in %s: starting fresh", self.storage.url)
+            if self.rank == 0:  # the one line is the announcement's (or the integration's): here DEBUG only
+                log.debug("no committed checkpoint in %s: starting fresh", self.storage.url)
             self._announce_start()
             return None
         manifest, ranked = found
@@ -350,11 +402,11 @@ class CheckpointManager:
         seconds = time.perf_counter() - t0
         self.resumed_from = self._events.last_committed = manifest.step
         self.journal.record("resume", step=manifest.step, seconds=seconds, bytes=manifest.total_bytes)
+        self.loaded = f"{human_bytes(manifest.total_bytes)} verified and loaded in {human_seconds(seconds)}"
         if self.rank == 0:
-            log.info("resuming from step %d (%s): %s verified and loaded in %s", manifest.step,
-                     self.storage.url_of(layout.step_dir(manifest.step)), human_bytes(manifest.total_bytes),
-                     human_seconds(seconds))
-        self._announce_start(f"{human_bytes(manifest.total_bytes)} verified and loaded in {human_seconds(seconds)}")
+            log.debug("resuming from step %d (%s): %s", manifest.step, self.storage.url_of(layout.step_dir(manifest.step)),
+                      self.loaded)
+        self._announce_start()
         return manifest.step
 
     def latest(self) -> int | None:
@@ -374,15 +426,21 @@ class CheckpointManager:
             if retention:
                 self._events.wait_for_retention()
 
-    def close(self, *, clean: bool = True) -> None:
-        """Drain the save in flight, then release the writer. ``clean`` records a clean end in the journal."""
+    def close(self, *, clean: bool = True, final: bool | None = None) -> None:
+        """Drain the save in flight, then release the writer. ``clean`` records a clean end in the journal.
+
+        ``final``: on a clean close, first save the last step :meth:`maybe_save` was given unless it is saved
+        already (:meth:`save_final`); None takes ``final_save`` from the config (default True).
+        """
         if self._closed:
             return
-        self._closed = True
-        atexit.unregister(self._close_at_exit)
         try:
+            if clean and (self.config.final_save if final is None else final):
+                self.save_final()
             self.wait()  # a failed drain raises here (on_save_error="raise"): that is no clean end
         finally:
+            self._closed = True
+            atexit.unregister(self._close_at_exit)
             self.watcher.close()
             self.engine.close()
             self._events.close()
@@ -396,24 +454,51 @@ class CheckpointManager:
         """At interpreter exit, if the program did not close the manager (a loop without ``with`` or
         ``close()``): a clean end, unless an uncaught exception is ending the program (the interpreter sets
         ``sys.last_value`` when it prints one), so that a forgotten close is not counted as a failure."""
-        crashed = getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None
+        crashed = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
         log.debug("closing at interpreter exit (%s)", "after an uncaught exception" if crashed else "a clean end")
+        if crashed:
+            self.close_after(crashed)
+            return
         try:
-            self.close(clean=not crashed)
-        except Exception:  # nothing can be raised to anyone at exit
-            log.exception("closing the checkpoint manager at interpreter exit failed")
+            self.close(final=False)  # the ranks may be gone already: no collective save at exit
+        except Exception as e:  # nothing can be raised to anyone at exit
+            log.error("closing the checkpoint manager at interpreter exit failed: %s: %s", type(e).__name__, e)
+
+    def close_after(self, error: BaseException) -> None:
+        """Close after the training raised ``error``: no clean end, no final save, and nothing raised. What
+        matters is the training's own traceback, so a save in flight that failed too is one log line (no
+        traceback); when ``error`` says a peer rank is gone, one line says so and where the job resumes.
+        ``with CheckpointManager(...)`` calls it when its block raises.
+
+        Example:
+            >>> m = CheckpointManager("memory://doc/close-after", interval=2, announce=False)
+            >>> m.close_after(RuntimeError("Read error: Connection reset by peer"))   # logs one warning
+            >>> m.closed
+            True
+        """
+        try:
+            self.close(clean=False)
+            failed = None
+        except Exception as e:
+            failed = e
+        newest = self._events.last_committed if self._events.last_committed is not None else self.resumed_from
+        resumes = f"a restart resumes from step {newest}" if newest is not None else "a restart starts fresh"
+        if peer_lost(error):
+            lost = "; the save in flight did not commit" if failed is not None else ""
+            log.warning("rank %d stops: a peer rank is gone (%s)%s; %s, the newest committed", self.rank,
+                        short_error(error), lost, resumes)
+        elif failed is not None:
+            log.error("while closing after %s, the save in flight failed too (%s); %s", type(error).__name__,
+                      short_error(failed), resumes)
 
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        if exc_type is None:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, *_: Any) -> None:
+        if exc is None:
             self.close()
             return
-        try:  # the training's exception matters more than a failed drain: log this one
-            self.close(clean=False)
-        except Exception:
-            log.exception("while closing after %s, the last save failed too", exc_type.__name__)
+        self.close_after(exc)
 
     def _check_open(self) -> None:
         if self._closed:

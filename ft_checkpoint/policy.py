@@ -166,8 +166,8 @@ def describe_policy(policy: SavePolicy) -> str:
         d = adaptive.last_decision
         return (f"adaptive interval: the first save comes about {human_seconds(d['interval_s'])} in (save cost "
                 f"{'guessed' if adaptive.cost is None else 'measured'} {d['cost_s']:.3g} s, MTBF "
-                f"{human_seconds(d['mtbf_s'])}); a shorter run saves only on a preemption notice. HINT: set "
-                "interval= (steps or a duration) to choose")
+                f"{human_seconds(d['mtbf_s'])}); a run that fails sooner has nothing to resume from (a clean end "
+                "and a preemption notice save). HINT: set interval= (steps or a duration) to choose")
     fixed = find_policy(policy, EveryNSteps) or find_policy(policy, EveryInterval)
     if isinstance(fixed, EveryNSteps):
         return f"a save {every(fixed.n, 'step')}"

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
 
+from ft_checkpoint.dist import Groups
 from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, StateMismatchError
 
 Path = tuple[Any, ...]
@@ -176,6 +178,54 @@ def split_tree(tree: Any) -> tuple[dict[str, torch.Tensor], Any]:
         return node
 
     return tensors, walk(tree, ())
+
+
+def leaf_types(tree: Any, path: Path = ()) -> dict[str, str]:
+    """The type of every leaf of ``tree``, by flat key (as :func:`split_tree` names tensors).
+
+    Example:
+        >>> leaf_types({"model": {"w": torch.ones(2)}, "best": 0.5, "betas": (0.9, None)})
+        {'model/w': 'Tensor', 'best': 'float', 'betas/0': 'float', 'betas/1': 'NoneType'}
+    """
+    if isinstance(tree, Mapping):
+        return {k: t for key, value in tree.items() for k, t in leaf_types(value, (*path, key)).items()}
+    if isinstance(tree, (list, tuple)) and type(tree) in (list, tuple):
+        return {k: t for i, value in enumerate(tree) for k, t in leaf_types(value, (*path, i)).items()}
+    return {tensor_key(path): "Tensor" if isinstance(tree, torch.Tensor) else type(tree).__name__}
+
+
+def check_tensors_match(tree: Mapping[str, Any], groups: Groups) -> None:
+    """Raise StateMismatchError on every rank if a key of the shared ``tree`` holds a tensor on some ranks and
+    another type (or nothing) on others, naming the key and both types.
+
+    A tensor is written once for all ranks, any other value by each rank, so such a state can be neither
+    saved nor resumed (nanoGPT's ``best_val_loss``: a 0-dim tensor on the rank that evaluates, a float on the
+    others). A collective, on the training thread: call it on every rank; one small all-gather when they agree.
+
+    Example:
+        >>> from ft_checkpoint.dist import Groups
+        >>> check_tensors_match({"best_val_loss": torch.tensor(0.5)}, Groups())   # one rank: nothing to compare
+    """
+    if not groups.distributed:
+        return
+    digest = zlib.crc32("\n".join(sorted(split_tree(tree)[0])).encode())
+    if len(set(groups.all_gather(digest))) == 1:
+        return
+    kinds = groups.all_gather(leaf_types(tree))
+    for key in sorted({k for ranks in kinds for k, t in ranks.items() if t == "Tensor"}):
+        found = [ranks.get(key, "nothing") for ranks in kinds]
+        other = next((r for r, t in enumerate(found) if t != "Tensor"), None)
+        if other is not None:
+            tensor = found.index("Tensor")
+            raise StateMismatchError(
+                f"state key {key!r} is a Tensor on rank {tensor} but {_a(found[other])} on rank {other}: a tensor of "
+                "the shared state is written once for every rank, any other value by each rank, so this state can "
+                f"be neither saved nor resumed. HINT: give {key!r} one type on every rank (float(x) everywhere, or "
+                "torch.tensor(x) everywhere), or pass it in per_rank=")
+
+
+def _a(type_name: str) -> str:
+    return type_name if type_name == "nothing" else f"a {type_name}"
 
 
 def merge_tree(skeleton: Any, tensors: Mapping[str, torch.Tensor], path: Path = ()) -> Any:

@@ -12,7 +12,10 @@ Lightning offers no public way to do five things a fault-tolerant callback needs
    (``fit_loop._load_combined_loader_states`` runs just before), and the samplers Lightning wrapped
    (``_DatasetSamplerWrapper._sampler``);
 5. accept ``Trainer(enable_checkpointing=False)`` with this callback as the only ``Checkpoint``
-   (``_CallbackConnector._configure_checkpoint_callbacks`` refuses any ``Checkpoint`` then).
+   (``_CallbackConnector._configure_checkpoint_callbacks`` refuses any ``Checkpoint`` then);
+6. let a LightningCLI job that resumes start again: its ``SaveConfigCallback`` refuses an existing
+   ``config.yaml`` in its ``setup``, which runs before this callback's (Lightning moves every ``Checkpoint``
+   to the end of the list); its public ``overwrite`` is set for that call (``SaveConfigCallback.setup``).
 
 Each use is a small function here. ``tests/lightning/test_lightning_internals.py`` exercises every one
 of them against the installed Lightning and fails, naming this module, when a release changes one.
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -121,6 +125,33 @@ def allow_without_lightning_checkpointing(callback_type: type) -> None:
 
     configure_checkpoint_callbacks._lightning_ft = True  # type: ignore[attr-defined]
     _CallbackConnector._configure_checkpoint_callbacks = configure_checkpoint_callbacks
+
+
+def let_lightning_cli_restart(resumes: Callable[[pl.Trainer], bool]) -> None:
+    """Have LightningCLI's ``SaveConfigCallback`` write its config file again, rather than refuse an existing
+    one, in a fit where ``resumes(trainer)`` (asked on rank 0, the answer broadcast: the callback's check is a
+    collective) says the job continues from a checkpoint. Patches Lightning's class once per process, only
+    when ``lightning.pytorch.cli`` was imported (LightningCLI imports it before it builds the callbacks).
+    """
+    cli = sys.modules.get("lightning.pytorch.cli")
+    original = getattr(getattr(cli, "SaveConfigCallback", None), "setup", None)
+    if original is None or getattr(original, "_lightning_ft", False):
+        return
+
+    @functools.wraps(original)
+    def setup(self: Any, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if not self.overwrite and self.save_to_log_dir and not self.already_saved:
+            resuming = trainer.strategy.broadcast(resumes(trainer) if trainer.is_global_zero else False)
+            if resuming:
+                self.overwrite = True
+                from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+                rank_zero_info(f"FaultTolerantCheckpoint: this LightningCLI job resumes: SaveConfigCallback writes "
+                               f"{self.config_filename} in {trainer.log_dir} again (it refuses an existing one)")
+        original(self, trainer, pl_module, stage)
+
+    setup._lightning_ft = True  # type: ignore[attr-defined]
+    cli.SaveConfigCallback.setup = setup
 
 
 # -- where in the epoch are we --------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """What the callback tells the user through Lightning's rank-zero channel: the start of a fit (fresh or
-resumed, when the next save is due), a fit that saved nothing, a resume on another number of ranks.
+resumed, when the next save is due), a resumed run that had finished, a fit that saved nothing, a resume on
+another number of ranks.
 
 Example:
     >>> from ft_checkpoint import CheckpointManager
@@ -29,12 +30,18 @@ def announce_start(trainer: pl.Trainer, manager: CheckpointManager, *, resumed: 
     """Where training starts (resumed, fresh, or at ``fit(ckpt_path=...)``'s step) and when the next save is due."""
     if resumed:
         where = (f"resuming from step {trainer.global_step} (epoch {trainer.current_epoch}, "
-                 f"{internals.batches_done_in_epoch(trainer)} batches of it done)")
+                 f"{internals.batches_done_in_epoch(trainer)} batches of it done; {manager.loaded})")
     elif resumed_from is None and trainer.ckpt_path is None:
         where = f"no checkpoint in {manager.storage.url} yet: starting fresh"
     else:
         where = f"training starts at step {trainer.global_step}"
     rank_zero_info(f"{PREFIX}{where}; {next_save(manager, trainer.global_step, first=not resumed)}")
+
+
+def announce_finished(trainer: pl.Trainer, manager: CheckpointManager) -> None:
+    """A fit that resumed a run which had reached its end (``max_epochs``/``max_steps``): it trains no step."""
+    rank_zero_info(f"{PREFIX}resuming from step {trainer.global_step} ({manager.loaded}): the run had reached its "
+                   f"end, so this fit trains no step")
 
 
 def announce_no_save(trainer: pl.Trainer, manager: CheckpointManager, *, seconds: float,
@@ -56,8 +63,8 @@ def next_save(manager: CheckpointManager, step: int, *, first: bool) -> str:
         guess = " (a guess until a save measures it)" if manager.adaptive.cost is None else ""
         return (f"{which} due in about {human_seconds(metrics['interval_s'])} (adaptive interval, planned for a save "
                 f"cost of {human_seconds(metrics['cost_s'])}{guess} and an MTBF of {human_seconds(metrics['mtbf_s'])}; "
-                f"a run that ends sooner saves nothing: pass interval=<steps> or a duration such as '10m' for short "
-                f"runs)")
+                f"a run that fails sooner has nothing to resume from: pass interval=<steps> or a duration such as "
+                f"'10m' for short runs)")
     if "interval_s" in metrics:
         period = human_seconds(metrics["interval_s"])
         return f"{which} due in {period} (every {period})"

@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import time
@@ -31,9 +32,11 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy, Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from ft_checkpoint import CheckpointConfig, CheckpointManager, ConfigError, FTCheckpointError, SavePolicy, SaveStats
+from ft_checkpoint import CheckpointConfig, CheckpointManager, ConfigError, FTCheckpointError, SavePolicy, SaveStats, layout
+from ft_checkpoint.config import DEFAULT_SUBDIR, check_names, given
 from ft_checkpoint.errors import Preempted
 from ft_checkpoint.state import set_rng_state
+from ft_checkpoint.storage import Storage
 from lightning_ft import _lightning_internals as internals
 from lightning_ft import _messages as messages
 from lightning_ft._data import EpochStart
@@ -48,8 +51,6 @@ log = logging.getLogger(__name__)
 
 PREFIX = "ft_checkpoint/"
 """Prefix of the metrics logged through the trainer's loggers (the same as accelerate_ft's)."""
-DEFAULT_SUBDIR = "ft_checkpoints"
-"""Without a dirpath (argument, env or config file), checkpoints go to ``<default_root_dir>/ft_checkpoints``."""
 
 
 def check_strategy(strategy: Strategy) -> None:
@@ -95,6 +96,12 @@ class _Lazy(Mapping[str, Any]):
         return len(self._get())
 
 
+def _resumes(trainer: pl.Trainer) -> bool:
+    """Whether a FaultTolerantCheckpoint of ``trainer`` has a committed step to resume from."""
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]
+    return any(cb._has_checkpoint(trainer) for cb in callbacks if isinstance(cb, FaultTolerantCheckpoint))
+
+
 class FaultTolerantCheckpoint(Checkpoint):
     """Save training asynchronously through ft-checkpoint and resume ``fit`` from the newest good checkpoint.
 
@@ -108,16 +115,23 @@ class FaultTolerantCheckpoint(Checkpoint):
             Lightning turns into an exception on all ranks at the same batch); otherwise nothing is saved.
         drain_timeout: Seconds to wait, after an exception, for a save in flight to commit.
         policy: A :class:`ft_checkpoint.SavePolicy` instead of the one ``interval`` names.
-        **config: Any :class:`ft_checkpoint.CheckpointConfig` field: ``interval`` (steps, ``"30m"``,
-            ``"adaptive"``), ``keep_last``, ``keep_every_n_steps``, ``storage_options``, ``async_save``,
-            ``save_rng_state``, ``verify_checksums``, ``retries``. Arguments win over ``FT_CHECKPOINT_*``
-            env vars, which win over the YAML file in ``FT_CHECKPOINT_CONFIG``.
+        interval: ...and every other keyword: the fields of :class:`ft_checkpoint.CheckpointConfig`, with their
+            types (``interval``: steps, ``"30m"`` or ``"adaptive"``; ``keep_last``, ``keep_every_n_steps``,
+            ``storage_options``, ``async_save``, ``final_save``, ``save_rng_state``, ``retries``, ...), so
+            that LightningCLI's YAML (``init_args``), ``--print_config`` and IDEs see them. None (the
+            default): from the ``FT_CHECKPOINT_<FIELD>`` env var, else the YAML file in
+            ``FT_CHECKPOINT_CONFIG``, else the config's default.
 
     The step of a checkpoint is ``trainer.global_step``. A save the policy asks for on the last batch of an
     epoch or right before validation happens one batch later (resuming there would skip the epoch end or
     the validation). An explicit ``trainer.fit(ckpt_path=...)`` wins over the automatic resume. This
     callback replaces Lightning's default ``ModelCheckpoint``; add one yourself to keep best-k files.
     ``Trainer(enable_checkpointing=False)`` is accepted when this is the only checkpoint callback.
+
+    A clean end of ``fit`` saves its last step unless it is saved already (``final_save``): the final
+    weights are in the directory, and a restart of the finished run resumes at its end and trains no step.
+    Under LightningCLI, a restart that resumes lets ``SaveConfigCallback`` write its ``config.yaml`` again
+    (it refuses an existing one otherwise, which stopped every restart before it could resume).
 
     What the user needs to see goes through Lightning's rank-zero info channel: where checkpoints go,
     the step a fit resumes from, when the next save is due. A resume on another number of ranks than
@@ -143,15 +157,32 @@ class FaultTolerantCheckpoint(Checkpoint):
     a ``ModelCheckpoint(monitor=...)``)."""
 
     def __init__(self, dirpath: str | None = None, *, save_on_exception: bool = False,
-                 drain_timeout: float = 300.0, policy: SavePolicy | None = None, **config: Any) -> None:
+                 drain_timeout: float = 300.0, policy: SavePolicy | None = None,
+                 interval: int | datetime.timedelta | str | None = None,
+                 min_interval: float | str | datetime.timedelta | None = None,
+                 max_interval: float | str | datetime.timedelta | None = None,
+                 mtbf: float | str | datetime.timedelta | None = None, gpu_failure_rate: float | None = None,
+                 keep_last: int | None = None, keep_every_n_steps: int | None = None,
+                 storage_options: dict[str, Any] | None = None, async_save: bool | None = None,
+                 final_save: bool | None = None, save_rng_state: bool | None = None,
+                 verify_checksums: bool | None = None, retries: int | None = None,
+                 progress_interval: float | str | datetime.timedelta | None = None, force_takeover: bool | None = None,
+                 on_save_error: str | None = None, preemption_signals: tuple[str, ...] | list[str] | str | None = None,
+                 requeue: bool | None = None, end_time_margin: float | str | datetime.timedelta | None = None,
+                 preemption_exit_code: int | None = None, writer: str | None = None, writer_priority: int | None = None,
+                 writers: int | None = None, signing_key: str | None = None, signing_key_file: str | None = None,
+                 run_name: str | None = None, **misspelled: Any) -> None:
         super().__init__()
+        check_names(misspelled)
+        config = {k: v for k, v in given(locals()).items() if k != "dirpath"}
         CheckpointConfig.from_env(dirpath=dirpath, **config)  # a bad value fails here, not at fit time
         internals.allow_without_lightning_checkpointing(FaultTolerantCheckpoint)
+        internals.let_lightning_cli_restart(_resumes)
         self.dirpath = dirpath
         self.save_on_exception = save_on_exception
         self.drain_timeout = drain_timeout
         self.policy = policy
-        self.config = dict(config)
+        self.config = config
         self.manager: CheckpointManager | None = None
         """The core manager of the current fit (created in ``setup``)."""
         self.saves: list[SaveStats] = []
@@ -259,15 +290,23 @@ class FaultTolerantCheckpoint(Checkpoint):
                 self._pending = True
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._active and not self.saves:
+        """The clean end of ``fit``: save its last step unless it is saved already (``final_save``), then close."""
+        if self._active:
             assert self.manager is not None
-            messages.announce_no_save(trainer, self.manager, seconds=time.monotonic() - self._started,
-                                      resumed_from=self.resumed_from)
+            step = trainer.global_step
+            if self.manager.config.final_save and step > 0 and not self.manager.has_saved(step):
+                self._save(trainer, step, lambda: self._snapshots.take(trainer, self._epoch_start))
+            if not self.saves:
+                messages.announce_no_save(trainer, self.manager, seconds=time.monotonic() - self._started,
+                                          resumed_from=self.resumed_from)
         self._close(trainer)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             internals.release_resume(trainer)
+            if self._active and self._resume is not None:  # resumed, yet the fit loop never started: finished
+                assert self.manager is not None
+                messages.announce_finished(trainer, self.manager)
             self._close(trainer)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -285,6 +324,12 @@ class FaultTolerantCheckpoint(Checkpoint):
         run_within(self.drain_timeout, lambda: self._drain_after(trainer, exception, save))
 
     # -- resuming ------------------------------------------------------------------------------
+    def _has_checkpoint(self, trainer: pl.Trainer) -> bool:
+        """Whether this callback's directory holds a committed step (a fit would resume from it)."""
+        dirpath, _ = self._resolve_dirpath(trainer)
+        config = CheckpointConfig.from_env(**self.config)
+        return bool(layout.committed_steps(Storage(dirpath, config.storage_options, retries=config.retries)))
+
     def _resolve_dirpath(self, trainer: pl.Trainer) -> tuple[str, bool]:
         """The checkpoint directory, and whether it is the default one under ``default_root_dir``."""
         dirpath = self.dirpath or CheckpointConfig.from_env(**self.config).dirpath
@@ -327,8 +372,10 @@ class FaultTolerantCheckpoint(Checkpoint):
                 self._undo_warning = internals.silence_midepoch_warning()
             elif trainer.is_global_zero:
                 log.warning("cannot put this train dataloader back at batch %d of the epoch (it has no length, or "
-                            "training_step takes the iterator): the epoch restarts from its first batch. HINT: use "
-                            "a map-style dataset, or a loader with state_dict()/load_state_dict()", skip)
+                            "training_step takes the iterator): the epoch restarts from its first batch while "
+                            "Lightning keeps counting from batch %d, so this epoch runs %d batches longer than in an "
+                            "uninterrupted run (its first %d batches are trained on twice). HINT: use a map-style "
+                            "dataset, or a loader with state_dict()/load_state_dict()", skip, skip, skip, skip)
         if resume["rng"] is not None:
             set_rng_state(resume["rng"])
 
@@ -390,11 +437,12 @@ class FaultTolerantCheckpoint(Checkpoint):
         try:
             if self.manager.preemption_requested:  # Lightning's SIGTERM exit came before a step boundary of ours
                 self.manager.stop_for_preemption()
-            self.manager.close(clean=False)
         except Preempted:
-            pass  # journaled (and requeued); Lightning's own exit is already under way
-        except Exception:
-            log.exception("the save in flight failed; the last committed checkpoint is intact")
+            return  # journaled (and requeued); Lightning's own exit is already under way
+        except Exception as e:
+            log.error("the final save of the preemption failed (%s: %s); the last committed checkpoint is intact",
+                      type(e).__name__, e)
+        self.manager.close_after(exception)  # one line if the save in flight failed too, or a peer rank is gone
 
     # -- save on exception ---------------------------------------------------------------------
     def _save_safe_point(self, trainer: pl.Trainer, exception: BaseException) -> None:

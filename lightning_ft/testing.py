@@ -164,13 +164,14 @@ class Crash(Exception):
 
 
 def fit(callbacks: list[Any], *, crash_at: int | None = None, ckpt_path: str | None = None,
-        **trainer_kw: Any) -> tuple[Net, Data, pl.Trainer, bool]:
-    """Seed, build a fresh model and data, fit in this process; ``crash_at`` raises Crash after that step.
+        data: type[Data] = Data, **trainer_kw: Any) -> tuple[Net, Data, pl.Trainer, bool]:
+    """Seed, build a fresh model and datamodule (``data``: :class:`Data` or a subclass), fit in this process;
+    ``crash_at`` raises Crash after that step.
 
     Returns ``(model, data, trainer, crashed)``.
     """
     pl.seed_everything(0, verbose=False)
-    model, data = Net(), Data()
+    model, datamodule = Net(), data()
     if crash_at is not None:
         def kill(t: pl.Trainer) -> None:
             if t.global_step == crash_at:
@@ -178,7 +179,7 @@ def fit(callbacks: list[Any], *, crash_at: int | None = None, ckpt_path: str | N
         model.kill = kill
     t = trainer(callbacks, **trainer_kw)
     try:
-        t.fit(model, datamodule=data, ckpt_path=ckpt_path)
+        t.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     except Crash:
-        return model, data, t, True
-    return model, data, t, False
+        return model, datamodule, t, True
+    return model, datamodule, t, False

@@ -119,8 +119,8 @@ def test_quickstart_without_close_ends_cleanly(tmp_path):
     first, second = (a.stderr for a in attempts)  # printed on stderr whatever the logging setup, once
     assert first.count("ft-checkpoint: ") == 1 and f"ft-checkpoint: checkpoints go to {ckpt}, a save every 5 steps\n" \
         in first, first
-    assert second.count("ft-checkpoint: ") == 1 and f"ft-checkpoint: resuming from step 20 of {ckpt}, a save every " \
-        "5 steps (" in second, second
+    assert second.count("ft-checkpoint: ") == 1 and f"ft-checkpoint: resuming from step 24 (epoch 1, 0 batches of " \
+        f"it done) of {ckpt}, a save every 5 steps (" in second, second  # the end of epochs() saved step 24
 
 
 def test_quickstart_ending_in_an_exception_is_no_clean_end(tmp_path):

@@ -19,6 +19,8 @@ from accelerate.tracking import GeneralTracker
 from accelerate_ft import FaultTolerantCheckpoint, FaultTolerantCheckpointPlugin
 from ft_checkpoint import CheckpointConfig, ConfigError, layout
 from ft_checkpoint.adaptive.policy import AdaptiveInterval
+from ft_checkpoint.layout import committed_steps
+from tests.helpers.settings import assert_takes_every_setting
 
 EXAMPLE_YAML = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "accelerate_ft.yaml")
 
@@ -101,6 +103,12 @@ def test_the_plugin_never_shows_the_signing_key(clean_env):
     assert key not in repr(plugin) and key not in str(plugin) and "run_name=None" in repr(plugin)
 
 
+def test_every_setting_is_a_typed_keyword_argument_of_the_hook_and_the_plugin():
+    """Issue 22: ``**config`` hid them from IDEs, ``help()`` and jsonargparse."""
+    assert_takes_every_setting(FaultTolerantCheckpoint.__init__)
+    assert_takes_every_setting(FaultTolerantCheckpointPlugin.__init__)
+
+
 def test_errors_say_what_to_do(make_accelerator, clean_env, tmp_path):
     acc = make_accelerator()
     with pytest.raises(ConfigError, match="after `model, optimizer, ... = accelerator.prepare"):
@@ -138,7 +146,7 @@ def test_resumes_at_construction_with_counters_and_scheduler(make_accelerator, c
     acc = make_accelerator()
     model, opt, loader = prepared(acc, batches=8)
     sched = acc.prepare(torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=1, gamma=0.5))
-    with FaultTolerantCheckpoint(acc, url, interval=5, async_save=False) as ft:
+    with FaultTolerantCheckpoint(acc, url, interval=5, async_save=False, final_save=False) as ft:
         for _ in ft.epochs(1):
             for i, x in enumerate(ft.batches(loader)):
                 acc.backward(model(x).sum())
@@ -148,7 +156,7 @@ def test_resumes_at_construction_with_counters_and_scheduler(make_accelerator, c
                 if i == 4:
                     weight_at_5 = model.weight.detach().clone()
                 if i == 5:
-                    break  # step 5 was saved when batch 5 was requested; batch 5 (step 6) is not counted
+                    break  # step 5 was saved when batch 5 was requested; step 6 is counted, not saved
 
     acc = make_accelerator()
     model, opt, loader = prepared(acc, batches=8)
@@ -193,7 +201,7 @@ def test_says_on_stderr_where_checkpoints_go_and_when_the_first_save_is_due(make
     FaultTolerantCheckpoint(acc, str(tmp_path / "ckpt")).close()
     err = capsys.readouterr().err
     assert re.search(r"^ft-checkpoint: checkpoints go to \S+ckpt, adaptive interval: the first save comes about "
-                     r"[\d.]+ min in .*a shorter run saves only on a preemption notice", err, re.M), err
+                     r"[\d.]+ min in .*a run that fails sooner has nothing to resume from", err, re.M), err
 
 
 def test_manual_accumulation_saves_only_after_optimizer_steps(make_accelerator, clean_env):
@@ -228,3 +236,133 @@ def test_persistent_workers_resumed_after_the_first_epoch_warn(make_accelerator,
     assert batches == [(2, [4.0, 5.0]), (3, [6.0, 7.0])]
     assert "persistent_workers=True" in caplog.text and "HINT: persistent_workers=False" in caplog.text
     assert re.search(r"its 2 consumed batches were loaded again in the loader's 1 workers", caplog.text)
+
+
+def train(ft: FaultTolerantCheckpoint, acc: Accelerator, model, opt, loader, *, epochs: int = 1,
+          stop_after: int | None = None, by_hand: int | None = None) -> list[int]:
+    """Train through the hook; returns the index of every batch trained on. ``stop_after``: break out of the
+    epoch after that many batches of this run; ``by_hand``: step every N batches by an index from
+    ``enumerate(ft.batches(loader))``, as Accelerate's ``complete_nlp_example.py`` does."""
+    seen: list[int] = []
+    for _ in ft.epochs(epochs):
+        for i, x in enumerate(ft.batches(loader)):
+            seen.append(ft.batches_done)
+            acc.backward(model(x).sum())
+            if by_hand is None or i % by_hand == 0:
+                opt.step()
+                opt.zero_grad()
+            if stop_after is not None and len(seen) == stop_after:
+                return seen
+    return seen
+
+
+def test_the_end_of_epochs_saves_the_last_step_and_a_restart_trains_no_step(make_accelerator, clean_env, tmp_path):
+    """Issue 22: before, the newest step was 6 of 8, and a restart of the finished job trained steps 7 and 8 again."""
+    url = str(tmp_path / "ckpt")
+    acc = make_accelerator()
+    model, opt, loader = prepared(acc, batches=8)
+    with FaultTolerantCheckpoint(acc, url, interval=3) as ft:
+        assert len(train(ft, acc, model, opt, loader)) == 8
+        assert committed_steps(ft.manager.storage) == [3, 6, 8]  # committed when epochs() ended
+    weight = model.weight.detach().clone()
+
+    acc = make_accelerator()
+    model, opt, loader = prepared(acc, batches=8)
+    with FaultTolerantCheckpoint(acc, url, interval=3) as ft:
+        assert ft.resumed_from == 8 and train(ft, acc, model, opt, loader) == []
+    assert torch.equal(model.weight, weight) and committed_steps(ft.manager.storage) == [3, 6, 8]
+
+
+def test_the_final_save_can_be_turned_off(make_accelerator, clean_env, tmp_path):
+    acc = make_accelerator()
+    model, opt, loader = prepared(acc, batches=8)
+    with FaultTolerantCheckpoint(acc, str(tmp_path / "ckpt"), interval=3, final_save=False) as ft:
+        train(ft, acc, model, opt, loader)
+    assert committed_steps(ft.manager.storage) == [3, 6]
+
+
+def test_a_resume_is_one_line_with_the_epoch_and_the_batch(make_accelerator, clean_env, tmp_path, caplog, capsys):
+    """Issue 22: with logging on a resume was announced three times (the manager's record, its stderr line and
+    the hook's own record), and the stderr line had no data position."""
+    caplog.set_level(logging.INFO)
+    url = str(tmp_path / "ckpt")
+    acc = make_accelerator()
+    model, opt, loader = prepared(acc, batches=8)
+    with FaultTolerantCheckpoint(acc, url, interval=5, async_save=False) as ft:
+        train(ft, acc, model, opt, loader, epochs=2, stop_after=12)  # the end of the with block saves step 12
+    capsys.readouterr()
+    caplog.clear()
+    acc = make_accelerator()
+    prepared(acc, batches=8)
+    FaultTolerantCheckpoint(acc, url, interval=5).close()
+    lines = capsys.readouterr().err.splitlines() + [r.getMessage() for r in caplog.records]
+    resumed = [line for line in lines if "resuming from" in line or "resumed" in line]
+    assert len(resumed) == 1, lines
+    assert re.fullmatch(rf"ft-checkpoint: resuming from step 12 \(epoch 1, 4 batches of it done\) of {re.escape(url)}, "
+                        r"a save every 5 steps \([\d.]+ kB verified and loaded in [\d.]+ m?s\)", resumed[0]), resumed
+
+
+@pytest.mark.parametrize("index", ["enumerate(ft.batches(loader))", "ft.enumerate(loader)"])
+def test_accumulation_by_hand_resumed_mid_epoch_warns_to_take_the_index_from_ft_enumerate(make_accelerator, clean_env,
+                                                                                           tmp_path, caplog, index):
+    """Issue 22: with ``enumerate(ft.batches(loader))`` the index restarts at 0 in the resumed epoch, so other
+    batches step the optimizer and the run ends with other weights, silently. The hook knows both facts."""
+    url = str(tmp_path / "ckpt")
+    acc = make_accelerator()
+    model, opt, loader = prepared(acc, batches=12)
+    with FaultTolerantCheckpoint(acc, url, interval=2, async_save=False) as ft:
+        train(ft, acc, model, opt, loader, by_hand=2, stop_after=5)  # steps after batches 0, 2, 4
+    assert ft.manager.latest() == 3  # saved at the end of the with block, after batch 4
+
+    acc = make_accelerator()
+    model, opt, loader = prepared(acc, batches=12)
+    caplog.set_level(logging.WARNING, logger="accelerate_ft")
+    with FaultTolerantCheckpoint(acc, url, interval=2) as ft:
+        assert (ft.resumed_from, ft.batches_done) == (3, 5)
+        for _ in ft.epochs(1):
+            batches = ft.enumerate(loader) if index == "ft.enumerate(loader)" else enumerate(ft.batches(loader))
+            first = next(iter(batches))[0]
+            break
+    warned = [r.getMessage() for r in caplog.records if "ft.enumerate(loader)" in r.getMessage()]
+    if index == "ft.enumerate(loader)":
+        assert first == 5 and not warned
+    else:
+        assert first == 0 and warned == [
+            "epoch 0 resumes at batch 5, and this loop steps the optimizer on some batches only (accumulation by "
+            "hand): an index from enumerate(ft.batches(loader)) starts at 0 again, so other batches step than in "
+            "the uninterrupted run and the result differs. HINT: for step, batch in ft.enumerate(loader) continues "
+            "the index at 5"]
+
+
+def test_without_a_dirpath_checkpoints_go_to_the_accelerators_project_dir(make_accelerator, clean_env, tmp_path):
+    """Issue 22: the Lightning callback has a default directory; the hook required one."""
+    acc = make_accelerator(project_dir=str(tmp_path / "project"))
+    prepared(acc)
+    with FaultTolerantCheckpoint(acc, interval=5) as ft:
+        assert ft.manager.storage.url == str(tmp_path / "project" / "ft_checkpoints")
+    clean_env.setenv("FT_CHECKPOINT_DIRPATH", str(tmp_path / "from-env"))  # a dirpath given anywhere wins
+    with FaultTolerantCheckpoint(acc, interval=5) as ft:
+        assert ft.manager.storage.url == str(tmp_path / "from-env")
+    clean_env.delenv("FT_CHECKPOINT_DIRPATH")
+    acc = make_accelerator()
+    prepared(acc)
+    with pytest.raises(ConfigError, match=r"HINT: .*project_dir="):
+        FaultTolerantCheckpoint(acc)
+
+
+def test_a_loop_that_breaks_after_a_step_ends_with_that_step_saved(make_accelerator, clean_env, tmp_path):
+    """The end of a ``with`` block is a clean end too: a loop that stops early (``max_steps``) is saved where it
+    stopped, its last step counted although the loop left before the hook saw the batch end."""
+    url = str(tmp_path / "ckpt")
+    acc = make_accelerator()
+    model, opt, loader = prepared(acc, batches=8)
+    with FaultTolerantCheckpoint(acc, url, interval=4) as ft:
+        train(ft, acc, model, opt, loader, stop_after=6)
+    weight = model.weight.detach().clone()
+    assert (ft.global_step, ft.batches_done, committed_steps(ft.manager.storage)) == (6, 6, [4, 6])
+
+    acc = make_accelerator()
+    model, opt, loader = prepared(acc, batches=8)
+    with FaultTolerantCheckpoint(acc, url, interval=4) as ft:
+        assert (ft.resumed_from, ft.batches_done) == (6, 6) and torch.equal(model.weight, weight)
+        assert train(ft, acc, model, opt, loader) == [6, 7]  # the last two batches of the epoch

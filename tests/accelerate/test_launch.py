@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 
 import pytest
 
@@ -59,3 +60,19 @@ def test_fsdp2_sharded_state_is_saved_per_rank_and_resumes_exactly(tmp_path):
     assert len(tensors["model/optimizers/state/0.weight/exp_avg"].chunks) == 2, "optimizer state should stay sharded too"
     assert {c.file for t in tensors.values() for c in t.chunks} == {"__0_0.distcp", "__0_1.distcp", "__1_0.distcp",
                                                                     "__1_1.distcp"}  # 2 files per rank (writers=2)
+
+
+def test_a_rank_that_dies_leaves_the_other_one_line_and_no_traceback_of_ours(tmp_path):
+    """Issue 22: rank 1 is SIGKILLed; rank 0 fails in a gloo collective ("Connection reset by peer"). Before, our
+    own secondary SaveError traceback ("while closing after RuntimeError, the last save failed too") came on top
+    of the framework's; now one line says a peer is gone and where a restart resumes."""
+    out = str(tmp_path / "out")
+    run = launch(out, "--dirpath", str(tmp_path / "ckpt"), *ARGS, "--kill-at", "20", "--kill-rank", "1",
+                 tmp_path=tmp_path, restarts=0)
+    assert run.returncode != 0 and run.where(event="killed", rank=1), run.explain()
+    ours = [line for line in run.stderr.splitlines() if "a peer rank is gone" in line]
+    assert len(ours) == 1 and re.search(r"rank 0 stops: a peer rank is gone \(RuntimeError: .*Connection (reset|closed) "
+                                        r"by peer.*\).*; a restart resumes from step \d+, the newest committed$",
+                                        ours[0]), run.explain()
+    assert "SaveError" not in run.stderr and "while closing" not in run.stderr, run.explain()
+    assert "During handling of the above exception" not in run.stderr, run.explain()  # no chained traceback of ours

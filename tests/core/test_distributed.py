@@ -48,3 +48,14 @@ def test_a_shared_tensor_that_differs_across_ranks_is_refused_naming_it(tmp_path
     out = torchrun(2, "diverge", str(tmp_path / "ckpt"), str(tmp_path))
     assert "rank 0: refused" in out and "rank 1: refused" in out
     assert "1 tensor(s) of the shared state differ across ranks: batch" in out and "per_rank=" in out
+
+
+def test_a_key_that_is_a_tensor_on_one_rank_and_a_float_on_another_is_refused_at_the_save(tmp_path):
+    """Issue 22: before, the background writer failed ("tensor(s) of the shared state differ across ranks") at
+    the next save, and every restart died the same way with nothing committed."""
+    out = torchrun(2, "mixed_types", str(tmp_path / "ckpt"), str(tmp_path))
+    for rank in (0, 1):
+        assert f"rank {rank}: refused at the save: state key 'best_val_loss' is a Tensor on rank 0 but a float on " \
+               "rank 1" in out, out
+        assert f"rank {rank}: saved once fixed" in out, out
+    assert "HINT: give 'best_val_loss' one type on every rank" in out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import torch
 
@@ -45,15 +46,22 @@ def test_manifest_records_step_epoch_and_metadata(local_backend):
     assert m.versions["torch"] == torch.__version__
 
 
-def test_resume_logs_one_line_either_way(local_backend, caplog):
-    caplog.set_level(logging.INFO, logger="ft_checkpoint")
-    with CheckpointManager(local_backend.url, interval=1) as ckpt:
+def test_a_start_and_a_resume_are_one_line_each_with_logging_on(local_backend, caplog, capsys):
+    """Issue 22: the stderr line and a log record said the same (two lines in a job's output); the log has it at
+    DEBUG now."""
+    caplog.set_level(logging.INFO)
+    url = local_backend.url
+    with CheckpointManager(url, interval=1) as ckpt:
         ckpt.resume(make())
         ckpt.save(3, make(), block=True)
-    assert f"no committed checkpoint in {local_backend.url}: starting fresh" in caplog.text
-    with CheckpointManager(local_backend.url) as ckpt:
+    with CheckpointManager(url, interval=1) as ckpt:
         ckpt.resume(make())
-    assert "resuming from step 3 (" in caplog.text and "verified and loaded in" in caplog.text
+    lines = capsys.readouterr().err.splitlines() + [r.getMessage() for r in caplog.records]
+    assert [line for line in lines if "fresh" in line or "checkpoints go to" in line] == [
+        f"ft-checkpoint: checkpoints go to {url}, a save every 1 steps"]
+    resumed = [line for line in lines if "resuming from" in line or "resumed" in line]
+    assert len(resumed) == 1 and re.fullmatch(rf"ft-checkpoint: resuming from step 3 of {re.escape(url)}, a save every 1 "
+                                              r"steps \([\d.]+ kB verified and loaded in [\d.]+ m?s\)", resumed[0]), lines
 
 
 def test_a_transaction_on_the_shared_local_filesystem_does_not_defer_our_writes(local_backend):

@@ -9,7 +9,9 @@
 to load (its state and the next random numbers) to OUT_DIR. ``load`` resumes on any number of ranks
 and exits non-zero unless everything matches bit for bit. ``per_rank`` keeps a prefetched batch that
 differs by rank, as nanoGPT-style loops do, in ``per_rank=`` and checks each rank gets its own back;
-``diverge`` puts such a batch in the shared state and checks that the save fails naming it.
+``diverge`` puts such a batch in the shared state and checks that the save fails naming it; ``mixed_types``
+keeps nanoGPT's ``best_val_loss``, a 0-dim tensor on rank 0 (which evaluates) and a float on rank 1, and
+checks that ``save`` refuses it on the calling thread, on both ranks, and that nothing was written.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def main() -> None:
     mode, url, out = sys.argv[1:4]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if mode in ("per_rank", "diverge"):
+    if mode in ("per_rank", "diverge", "mixed_types"):
         globals()[mode](url, rank)
         dist.destroy_process_group()
         return
@@ -88,6 +90,25 @@ def diverge(url: str, rank: int) -> None:
         else:
             raise AssertionError("a tensor that differs across ranks was saved as replicated")
         assert ckpt.latest() is None
+
+
+def mixed_types(url: str, rank: int) -> None:
+    """nanoGPT evaluates on rank 0 only: ``best_val_loss`` is a tensor there and a float (1e9) elsewhere."""
+    from ft_checkpoint.errors import StateMismatchError
+
+    state = {**make(seed=0), "best_val_loss": torch.tensor(0.5) if rank == 0 else 1e9}
+    with CheckpointManager(url, interval=1) as ckpt:
+        try:
+            ckpt.save(1, state)
+        except StateMismatchError as e:
+            print(f"rank {rank}: refused at the save: {e}", flush=True)
+        else:
+            raise AssertionError("save() accepted a key that is a tensor on one rank and a float on another")
+        assert not ckpt.engine.in_flight and ckpt.latest() is None
+        state["best_val_loss"] = float(state["best_val_loss"])  # what the HINT says: one type everywhere
+        ckpt.save(2, state, block=True)
+        assert ckpt.latest() == 2
+    print(f"rank {rank}: saved once fixed", flush=True)
 
 
 if __name__ == "__main__":

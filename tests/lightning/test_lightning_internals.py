@@ -43,6 +43,19 @@ def test_private_names_exist():
         f"{HINT}: the mid-epoch resume warning changed"
 
 
+def test_what_a_lightning_cli_restart_relies_on_exists():
+    """``SaveConfigCallback.setup`` refuses an existing config file unless ``overwrite``; Lightning moves every
+    ``Checkpoint`` callback after it. The whole path runs in tests/lightning/test_cli.py."""
+    pytest.importorskip("jsonargparse")
+    from lightning.pytorch.cli import SaveConfigCallback
+    from lightning.pytorch.trainer.connectors.callback_connector import _CallbackConnector
+
+    setup = inspect.getsource(getattr(SaveConfigCallback.setup, "__wrapped__", SaveConfigCallback.setup))
+    for name in ("self.overwrite", "self.save_to_log_dir", "self.already_saved", "self.config_filename"):
+        assert name in setup, f"{HINT}: SaveConfigCallback.setup no longer reads {name}"
+    assert "Checkpoint" in inspect.getsource(_CallbackConnector._reorder_callbacks), f"{HINT}: _reorder_callbacks"
+
+
 def test_private_names_for_the_epoch_start_and_enable_checkpointing_exist():
     from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
     from lightning.pytorch.loops.fit_loop import _FitLoop

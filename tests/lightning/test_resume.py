@@ -10,16 +10,18 @@ import csv
 import json
 import logging
 import os
+import re
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from ft_checkpoint import ConfigError, StateMismatchError, layout
 from ft_checkpoint.storage import Storage
 from lightning_ft import FaultTolerantCheckpoint
-from lightning_ft.testing import assert_same, final_state, fit
+from lightning_ft.testing import Data, assert_same, final_state, fit
 
 
 def ft(dirpath, **kw) -> FaultTolerantCheckpoint:
@@ -145,7 +147,7 @@ def test_metrics_reach_the_trainer_logger(tmp_path):
     for name in ("stall_s", "durable_s", "bytes", "interval_steps", "saved_step"):
         assert f"ft_checkpoint/{name}" in columns, columns
     durable = [float(r["ft_checkpoint/durable_s"]) for r in rows if r.get("ft_checkpoint/durable_s")]
-    assert len(durable) == 2 and all(d > 0 for d in durable)  # steps 4 and 8, each reported once
+    assert len(durable) == 3 and all(d > 0 for d in durable)  # steps 4, 8 and the final 10, each reported once
 
 
 def test_default_dirpath_is_under_default_root_dir(tmp_path):
@@ -187,3 +189,70 @@ def test_a_tensor_left_out_of_the_metadata_falls_back_to_the_previous_step(tmp_p
     assert dropped.removeprefix("lightning/state_dict/") in warning, warning
     assert_same(reference[0], final_state(model, trainer))  # saved step 20 again and went on to the end
     assert data_module.train_epochs == reference[1]
+
+
+def committed(dirpath) -> list[int]:
+    from ft_checkpoint.storage import Storage
+
+    return layout.committed_steps(Storage(str(dirpath)))
+
+
+def test_a_clean_end_of_fit_saves_its_last_step_and_a_restart_trains_no_step(tmp_path, reference, caplog):
+    """Issue 22: before, the newest step was 32 of 36 (the last batch of an epoch defers a save), so a finished
+    job that Slurm or Kubernetes started again trained steps 33 to 36 again, and the final weights were not in
+    the directory."""
+    fit([ft(tmp_path / "ckpt")])
+    assert committed(tmp_path / "ckpt")[-1] == 36
+    caplog.set_level(logging.INFO)
+    cb, start = ft(tmp_path / "ckpt"), RecordStart()
+    model, data, trainer, _ = fit([cb, start])
+    assert cb.resumed_from == 36 and model.seen == [] and start.step is None  # no training step, not even started
+    assert_same(final_state(model, trainer), reference[0])
+    assert "FaultTolerantCheckpoint: resuming from step 36 (" in caplog.text and "the run had reached its end, so " \
+        "this fit trains no step" in caplog.text
+    assert committed(tmp_path / "ckpt")[-1] == 36 and cb.saves == []
+
+
+def test_the_final_save_can_be_turned_off(tmp_path):
+    fit([ft(tmp_path / "ckpt", final_save=False)])
+    assert committed(tmp_path / "ckpt")[-1] == 32
+
+
+def test_a_resume_is_one_line_with_logging_on(tmp_path, caplog):
+    """Issue 22: the core's log record said it a second time."""
+    fit([ft(tmp_path / "ckpt")], crash_at=10)
+    caplog.set_level(logging.INFO)
+    fit([ft(tmp_path / "ckpt")])
+    resumed = [r.getMessage() for r in caplog.records if "resuming from" in r.getMessage()]
+    assert len(resumed) == 1 and re.fullmatch(r"FaultTolerantCheckpoint: resuming from step 8 \(epoch 0, 8 batches of it "
+                                              r"done; [\d.]+ kB verified and loaded in [\d.]+ m?s\); next save at step 12 "
+                                              r"\(every 4 steps\)", resumed[0]), resumed
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """48 fixed samples (6 batches of 8) as a stream: the loader has no length."""
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(0)
+        for i in range(48):
+            x = torch.randn(8, generator=g)
+            yield x, x[:1] * 0.5, i
+
+
+class StreamData(Data):
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(Stream(), batch_size=8)
+
+
+def test_an_iterable_dataset_resumed_mid_epoch_warns_that_the_epoch_runs_longer(tmp_path, caplog):
+    """Issue 22: the stream restarts from its first batch while Lightning keeps counting from batch 4, so the
+    resumed epoch runs 4 batches longer; the warning said only that the epoch restarts."""
+    kw = dict(max_epochs=2, val_check_interval=1.0, data=StreamData)
+    fit([ft(tmp_path / "ckpt", interval=2)], crash_at=5, **kw)
+    caplog.set_level(logging.WARNING, logger="lightning_ft")
+    model, _, _, _ = fit([ft(tmp_path / "ckpt", interval=2)], **kw)
+    epoch_0 = [batch_idx for epoch, batch_idx, _ in model.seen if epoch == 0]
+    assert epoch_0 == list(range(4, 10))  # 6 batches after the 4 done: 10 in this epoch, 4 more than 6
+    assert [idx[0] for epoch, _, idx in model.seen if epoch == 0] == [0, 8, 16, 24, 32, 40]  # the stream again
+    assert "the epoch restarts from its first batch while Lightning keeps counting from batch 4, so this epoch " \
+           "runs 4 batches longer than in an uninterrupted run" in caplog.text
