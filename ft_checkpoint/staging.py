@@ -68,13 +68,16 @@ class Arena:
         return self.bytes[offset:offset + n].view(dtype).view(shape)
 
     def close(self) -> None:
-        del self.bytes
-        try:
-            self._mmap.close()
-        except BufferError:  # a staged tensor is still referenced: the mapping goes when it does
-            pass
-        if self.fd is not None:
+        """Drop this arena's references; the memory is unmapped when the last staged tensor viewing it goes.
+
+        Never ``mmap.close()``: ``torch.frombuffer`` keeps the mmap object alive but holds no buffer export,
+        so closing it would unmap memory that a staged tensor still in use (a write, a traceback's frame)
+        points into, and touching that tensor would crash the process (a segmentation fault).
+        """
+        del self.bytes, self._mmap
+        if self.fd is not None:  # the mapping outlives its file descriptor
             os.close(self.fd)
+            self.fd = None
 
 
 def padded(nbytes: int) -> int:

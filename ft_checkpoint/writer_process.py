@@ -113,8 +113,8 @@ class WriterProcess:
                 answer = None
                 log.debug("writer process pipe: %s", e)
         if answer is None:
-            raise SaveError(f"the writer process (pid {self.proc.pid}) died (exit code {self.proc.poll()}); "
-                            "a new one starts at the next save")
+            raise WriterDied(f"the writer process (pid {self.proc.pid}) died (exit code {self.proc.poll()}); "
+                             "a new one starts at the next save")
         if answer[0] == "error":
             _, kind, message, transient = answer
             cause = ConnectionError(message) if transient else None
@@ -139,11 +139,17 @@ class WriterProcess:
             self.proc.wait()
 
 
+class WriterDied(SaveError):
+    """The writer process is gone (killed, crashed): what it was asked to write was not written."""
+
+
 class ProcessSink:
     """A :class:`~ft_checkpoint.shards.Sink` that has a writer process write tensors staged in its arena.
 
     A tensor outside the arena (or not contiguous) cannot be named to the child: its file is written in
-    this process instead (``fallback``).
+    this process instead (``fallback``); so is every file once the child died (killed by the OOM killer or
+    an operator): the bytes are still staged, and a dead helper process is no reason to lose a save. The
+    engine starts a new child at the next save.
     """
 
     def __init__(self, process: WriterProcess, arena_base: int, arena_size: int, fallback: Any) -> None:
@@ -158,10 +164,17 @@ class ProcessSink:
                 return self.fallback.write(rel, tensors, slots=slots)
             ranges.append((offset, extent))
             lengths.append(n)
-        return self.process.write(rel, ranges, lengths=lengths, direct=slots)
+        try:
+            return self.process.write(rel, ranges, lengths=lengths, direct=slots)
+        except WriterDied as e:
+            log.warning("%s; this save writes %s in the training process instead", e, rel)
+            return self.fallback.write(rel, tensors, slots=slots)
 
     def sync_dir(self, rel: str) -> None:
-        self.process.sync_dir(rel)
+        try:
+            self.process.sync_dir(rel)
+        except WriterDied:
+            self.fallback.sync_dir(rel)
 
 
 def _serve(inp: IO[bytes], out: IO[bytes]) -> None:

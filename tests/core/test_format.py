@@ -94,6 +94,55 @@ def test_the_writer_process_runs_at_the_priority_asked_for_and_is_replaced_if_it
     assert torch.equal(resumed["w"], torch.arange(1000.0) + 1)
 
 
+def test_a_writer_process_killed_in_the_middle_of_a_write_loses_no_save(tmp_path):
+    """The OOM killer or an operator SIGKILLs a writer process while it writes a shard file: the save used to
+    fail ("the writer process died"); the bytes are still staged, so the training process writes that file
+    itself and the step commits. (Also the race the test above met: a writer killed just before a save still
+    looked alive.)"""
+    url = str(tmp_path / "ckpt")
+    state = {"w": torch.randn(48 << 20 // 4)}  # 48 MiB: its write takes long enough to be hit
+    killed, stop = threading.Event(), threading.Event()
+    with CheckpointManager(url, interval=1, writer="process", writers=1) as ckpt:
+        ckpt.save(1, state, block=True)
+        pid = ckpt.engine.writer_pids[0]
+        step2 = tmp_path / "ckpt" / layout.step_dir(2)
+
+        def kill_once_writing() -> None:
+            while not stop.is_set():
+                if step2.exists() and any(f.name.endswith(".distcp") for f in step2.iterdir()):
+                    os.kill(pid, signal.SIGKILL)
+                    killed.set()
+                    return
+
+        killer = threading.Thread(target=kill_once_writing, daemon=True)
+        killer.start()
+        state["w"] += 1
+        ckpt.save(2, state, block=True)
+        stop.set()
+        killer.join()
+        assert killed.is_set() and ckpt.last_save is not None and ckpt.last_save.committed
+        ckpt.save(3, state, block=True)  # a new writer process took the dead one's place
+        assert ckpt.engine.writer_pids and pid not in ckpt.engine.writer_pids
+    resumed = {"w": torch.zeros_like(state["w"])}
+    with CheckpointManager(url) as ckpt:
+        assert ckpt.resume(resumed) == 3
+    assert torch.equal(resumed["w"], state["w"])
+
+
+def test_a_staged_tensor_kept_after_the_manager_closed_stays_readable(tmp_path):
+    """Closing the staging arena unmapped its memory while a staged tensor could still be referenced (the
+    frames of a failed save's traceback, which pytest printed): reading it crashed the process with a
+    segmentation fault. The mapping now lives as long as any tensor viewing it."""
+    script = ("import torch\n"
+              "from ft_checkpoint.staging import Stager\n"
+              "s = Stager(shared=True)\n"
+              "kept = s.stage({'w': torch.arange(1000.0)})['w']\n"
+              "s.close()\n"
+              "print(float(kept.sum()))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "499500.0", (proc.returncode, proc.stderr[-2000:])
+
+
 def test_the_writer_process_imports_nothing_from_the_working_directory(tmp_path):
     """A ``tenacity.py`` planted in the directory a training runs from: the training imports the real one (its
     script's directory, not the working directory, is on its path); the writer process, started with ``-m``,
