@@ -30,7 +30,7 @@ from ft_checkpoint.config import CheckpointConfig
 from ft_checkpoint.cost import CostMeter
 from ft_checkpoint.dist import Groups
 from ft_checkpoint.engine import CheckpointEngine, SaveStats
-from ft_checkpoint.errors import ConfigError, LeaseError, Preempted, SaveError
+from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, LeaseError, Preempted, SaveError
 from ft_checkpoint.journal import Journal, attempt_summaries
 from ft_checkpoint.lease import Lease
 from ft_checkpoint.loading import StepLoader, load_state
@@ -55,6 +55,7 @@ from ft_checkpoint.state import (
     to_tree,
 )
 from ft_checkpoint.storage import Storage
+from ft_checkpoint.tiers.fast_tier import create_fast_tier
 from ft_checkpoint.units import human_bytes, parse_duration
 
 log = logging.getLogger(__name__)
@@ -99,10 +100,12 @@ class CheckpointManager:
         self.storage = Storage(c.dirpath, c.storage_options, retries=c.retries)
         self.groups = Groups.create()
         self.groups.on_rank0(self.storage.ensure_root)
-        self.policy = policy or policy_from_interval(
-            c.interval, world_size=self.groups.world_size, mtbf=c.mtbf, gpu_failure_rate=c.gpu_failure_rate,
-            min_interval=c.min_interval, max_interval=c.max_interval)
+        adaptive = dict(world_size=self.groups.world_size, mtbf=c.mtbf, gpu_failure_rate=c.gpu_failure_rate,
+                        min_interval=c.min_interval, max_interval=c.max_interval)
+        self.policy = policy or policy_from_interval(c.interval, **adaptive)
         self.adaptive = find_policy(self.policy, AdaptiveInterval)
+        self.fast = create_fast_tier(c, self.storage.url, self.groups, **adaptive)
+        """The fast tier (``fast_dirpath``), or None: see ``ft_checkpoint.tiers``."""
         self.journal = Journal(self.storage, enabled=self.rank == 0, progress_every=parse_duration(c.progress_interval))
         self.lease = Lease(self.storage, attempt=self.journal.attempt)
         self.groups.on_rank0(lambda: self.lease.acquire(force=c.force_takeover))
@@ -115,8 +118,11 @@ class CheckpointManager:
                                          margin=parse_duration(c.end_time_margin))
         self.journal.record("attempt_start", world_size=self.groups.world_size,
                             progress_interval=parse_duration(c.progress_interval), preemption_signals=self.watcher.signals)
-        if self.adaptive is not None and self.rank == 0:
-            self.adaptive.observe_journal(attempt_summaries(self.storage))
+        learners = [p for p in (self.adaptive, self.fast and find_policy(self.fast.policy, AdaptiveInterval)) if p]
+        if learners and self.rank == 0:
+            summaries = attempt_summaries(self.storage)
+            for learner in learners:
+                learner.observe_journal(summaries)
         self._cost = CostMeter()
         self._events = SaveEvents(storage=self.storage, config=c, rank=self.rank, journal=self.journal, lease=self.lease,
                                   watcher=self.watcher, cost=self._cost, adaptive=self.adaptive, phase=self.engine.phase)
@@ -129,6 +135,11 @@ class CheckpointManager:
         ``maybe_save`` then makes the final save and exits."""
         self._preempt_reason: str | None = None
         self.last_save: SaveStats | None = None
+        """The last save started (of either tier: ``last_save.durable`` says whether it writes the durable one)."""
+        self._last_durable: SaveStats | None = None
+        self._due: tuple[int, bool, bool] | None = None
+        self._fast_refused = False
+        """``(step, durable, fast)``: what :meth:`agree_to_save` decided last."""
         self.resumed_from: int | None = None
         self.resumed_rng: dict[str, Any] | None = None
         """The RNG states the last resume found for this rank (see ``resume(restore_rng=False)``)."""
@@ -162,10 +173,15 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         """This rank's answer to "save at ``step``?": the policy's, or a preemption notice on this rank.
         No side effect and no collective: see :meth:`agree_to_save` for the answer every rank shares."""
-        return self.policy.should_save(self._context(step, self._notice()))
+        return self.policy.should_save(self._context(step, self._notice())) or self._fast_due(step)
+
+    def _fast_due(self, step: int) -> bool:
+        """The fast tier's policy's answer (False without a fast tier)."""
+        return self.fast is not None and not self._fast_refused and self.fast.policy.should_save(
+            self.fast.context(step, in_flight=self.engine.in_flight))
 
     def _context(self, step: int, notice: str | None) -> SaveContext:
-        last = self.last_save
+        last = self._last_durable
         return SaveContext(
             step=step, now=time.monotonic(), last_save_step=last.step if last else self.resumed_from,
             last_save_time=self._last_save_time, last_stall=last.stall if last else None,
@@ -178,18 +194,21 @@ class CheckpointManager:
         (then :attr:`preempted` is set), and a LeaseError on every rank if rank 0 lost the directory's lease."""
         notice = self._notice()
         ctx = self._context(step, notice)
-        decision, lost = self.policy.should_save(ctx), self.rank == 0 and self.lease.lost
-        if self.groups.distributed:  # one collective: rank 0's decision and lease, anyone's notice
-            votes = self.groups.all_gather((decision, notice, lost))
+        decision, lost, fast = self.policy.should_save(ctx), self.rank == 0 and self.lease.lost, self._fast_due(step)
+        if self.groups.distributed:  # one collective: rank 0's decisions and lease, anyone's notice
+            votes = self.groups.all_gather((decision, notice, lost, fast))
             decision = votes[0][0] if not self.policy.deterministic else decision
-            notice = next((f"{n} on rank {r}" for r, (_, n, _) in enumerate(votes) if n), None)
+            fast = votes[0][3] if self.fast is not None and not self.fast.policy.deterministic else fast
+            notice = next((f"{n} on rank {r}" for r, (_, n, _, _) in enumerate(votes) if n), None)
             lost = votes[0][2]
         if lost:
             raise LeaseError(f"another job took over the checkpoint directory {self.storage.url}; this job stops "
                              "saving there. HINT: give each job its own dirpath; see the warning about lease.json")
         self._preempt_reason = self._preempt_reason or notice  # the first notice agreed on
         self.preempted = notice is not None
-        return decision or (self.preempted and step != ctx.last_save_step)
+        durable = decision or (self.preempted and step != ctx.last_save_step)
+        self._due = (step, durable, fast)
+        return durable or fast
 
     def _notice(self) -> str | None:
         """This rank's preemption notice: a signal's name, ``"job end time"``, or set by the program."""
@@ -253,15 +272,44 @@ class CheckpointManager:
         ranked = {"rng": rng_state() if self.config.save_rng_state else None,
                   "state": to_tree(per_rank) if per_rank is not None else None}
         plain, participants = self._participants.split(state)
-        described = describe_participants(participants)
-        stats = self.engine.save(step, to_tree(plain), per_rank=ranked, files=lambda: stage_participants(participants),
-                                 manifest_fields={"epoch": epoch, "metadata": {**described, **(metadata or {})}},
-                                 listener=self._events, called_at=called_at)
+        tree = to_tree(plain)
+        durable, fast = self._tiers_due(step, participants)
+        fields = {"epoch": epoch, "metadata": {**describe_participants(participants), **(metadata or {})}}
+        fast_save, tier_write = None, None
+        if fast and self.fast is not None:
+            self.fast.check_room(tree)
+            fast_save = self.fast.started(step, 0.0)
+            tier_write = self._fast_writer(fast_save, fields)
+        stats = self.engine.save(step, tree, per_rank=ranked, files=lambda: stage_participants(participants),
+                                 manifest_fields=fields, listener=self._events, called_at=called_at, durable=durable,
+                                 tier_write=tier_write)
         self.last_save = stats
-        self._last_save_time = time.monotonic()
+        if fast_save is not None:
+            fast_save.stall = stats.stall
+        if durable:
+            self._last_durable, self._last_save_time = stats, time.monotonic()
         if block or not self.config.async_save:
             self.wait()
         return stats
+
+    def _tiers_due(self, step: int, participants: Mapping[str, Any]) -> tuple[bool, bool]:
+        """``(durable, fast)``: the tiers a save of ``step`` writes: those :meth:`agree_to_save` agreed on for it,
+        else (a save of the caller's own) both. A state with files of its own (DeepSpeed) is durable only."""
+        due, self._due = self._due, None
+        durable, fast = (due[1], due[2]) if due is not None and due[0] == step else (True, self.fast is not None)
+        if fast and participants:  # its files are written by one rank for all: no rank's part stands alone
+            if self.rank == 0:
+                log.warning("the fast tier does not take state that writes files of its own (%s): from step %d on, "
+                            "this run saves to the durable tier only", ", ".join(participants), step)
+            self._fast_refused = True
+            return True, False
+        return durable or not fast, fast
+
+    def _fast_writer(self, save: Any, fields: dict[str, Any]) -> Callable[[dict[str, Any]], Any]:
+        """What the writer thread runs for the fast tier, from the staged copy (see the engine's ``tier_write``)."""
+        fast = self.fast
+        assert fast is not None
+        return lambda staged: fast.write(save, staged, fields, writers=self.config.writers)
 
     def check_continues_from(self, step: int, *, why: str | None = None) -> None:
         """Raise StateMismatchError now if a run at ``step`` (resumed from elsewhere, e.g. ``fit(ckpt_path=...)``)
@@ -298,7 +346,8 @@ class CheckpointManager:
         where = f"checkpoints go to {self.storage.url}"
         if self.resumed_from is not None:
             where = f"resuming from step {self.resumed_from} of {self.storage.url}"
-        return f"{where}, {describe_policy(self.policy)}"
+        fast = f"; {self.fast.describe()}: {describe_policy(self.fast.policy)}" if self.fast is not None else ""
+        return f"{where}, {describe_policy(self.policy)}{fast}"
 
     def _announce_start(self, detail: str | None = None) -> None:
         if self._announced:
@@ -323,12 +372,27 @@ class CheckpointManager:
         self._check_open()
         t0 = time.perf_counter()
         self.engine.phase("resuming", -1)
-        found = resume_newest(
-            self.storage, self.groups, open_step=self.loader.open_step,
-            check=lambda step: check_for_resume(self.storage, step, rank=self.rank, world_size=self.groups.world_size),
-            load=lambda opened: load_state(self.loader, opened, state, participants=self._participants,
-                                           per_rank=per_rank, check=check),
-            touches=lambda opened: opened.touches)
+        found, source, touched = None, self.storage.url, False
+        if self.fast is not None and not self._participants.split(state)[1]:
+            fast, touched = self.fast.resume(
+                lambda loader, opened: load_state(loader, opened, state, participants=self._participants,
+                                                  per_rank=per_rank, check=check),
+                durable_newest=self._newest_committed)
+            if fast is not None:
+                manifest, ranked, source = fast
+                found = manifest, ranked
+        if found is None:
+            found = resume_newest(
+                self.storage, self.groups, open_step=self.loader.open_step,
+                check=lambda step: check_for_resume(self.storage, step, rank=self.rank, world_size=self.groups.world_size),
+                load=lambda opened: load_state(self.loader, opened, state, participants=self._participants,
+                                               per_rank=per_rank, check=check),
+                touches=lambda opened: opened.touches)
+            if found is None and touched:
+                raise CheckpointCorruptError(
+                    "a fast-tier step failed while it was loaded into the state, which may now be partly overwritten, "
+                    f"and {self.storage.url} has no step to load instead. HINT: start the job again: it will start fresh")
+            source = self.storage.url_of(layout.step_dir(found[0].step)) if found is not None else source
         self._newest_committed = self.latest()
         if found is None:
             if self.rank == 0:
@@ -341,10 +405,12 @@ class CheckpointManager:
             set_rng_state(self.resumed_rng)
         seconds = time.perf_counter() - t0
         self.resumed_from = self._events.last_committed = manifest.step
-        self.journal.record("resume", step=manifest.step, seconds=seconds, bytes=manifest.total_bytes)
+        tier = "fast" if source.startswith("fast tier") else "durable"
+        self.journal.record("resume", step=manifest.step, seconds=seconds, bytes=manifest.total_bytes, tier=tier,
+                            source=source)
         if self.rank == 0:
-            log.info("resuming from step %d (%s): %s verified and loaded in %.1f s", manifest.step,
-                     self.storage.url_of(layout.step_dir(manifest.step)), human_bytes(manifest.total_bytes), seconds)
+            log.info("resuming from step %d (%s): %s verified and loaded in %.1f s", manifest.step, source,
+                     human_bytes(manifest.total_bytes), seconds)
         self._announce_start(f"{human_bytes(manifest.total_bytes)} verified and loaded in {seconds:.1f} s")
         return manifest.step
 
@@ -382,6 +448,8 @@ class CheckpointManager:
                 self.lease.release()
         if clean:
             self.journal.record("clean_end", last_step=self.last_save.step if self.last_save else None)
+        if self.fast is not None:
+            self.fast.close(clean=clean)
 
     def _close_at_exit(self) -> None:
         """At interpreter exit, if the program did not close the manager (a loop without ``with`` or
