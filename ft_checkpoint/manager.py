@@ -141,6 +141,9 @@ class CheckpointManager:
         self._fast_refused = False
         """``(step, durable, fast)``: what :meth:`agree_to_save` decided last."""
         self.resumed_from: int | None = None
+        self.resumed_source: str | None = None
+        """Where the last resume took its step from: ``"fast tier, own node"``, ``"fast tier, peer copies"``, or the
+        durable step directory's URL."""
         self.resumed_rng: dict[str, Any] | None = None
         """The RNG states the last resume found for this rank (see ``resume(restore_rng=False)``)."""
         self._newest_committed: int | None = self.latest()
@@ -405,6 +408,7 @@ class CheckpointManager:
             set_rng_state(self.resumed_rng)
         seconds = time.perf_counter() - t0
         self.resumed_from = self._events.last_committed = manifest.step
+        self.resumed_source = source
         tier = "fast" if source.startswith("fast tier") else "durable"
         self.journal.record("resume", step=manifest.step, seconds=seconds, bytes=manifest.total_bytes, tier=tier,
                             source=source)

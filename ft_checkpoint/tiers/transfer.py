@@ -175,21 +175,24 @@ class Incoming:
 
 
 def exchange(group: Any, sends: list[tuple[int, Storage, int]], receives: list[tuple[int, Storage, int]], *,
-             chunk: int = CHUNK) -> int:
+             chunk: int | None = None) -> int:
     """Send ``(dst rank, folder, step)`` and receive ``(src rank, folder, step)`` step directories at once, over
-    ``group`` (collective for the ranks named: each send needs its receive on the other side). Returns the bytes
-    received. Raises CheckpointCorruptError after the last round if a copy received here is not whole and checked
-    (a file this rank could not send is only logged: its receiver finds the bytes wrong and raises there)."""
+    ``group`` (collective for the ranks named: each send needs its receive on the other side), in messages of
+    ``chunk`` bytes (default :data:`CHUNK`, read at each call; each sender's size goes in its header). Returns the
+    bytes received. Raises CheckpointCorruptError after the last round if a copy received here is not whole and
+    checked (a file this rank could not send is only logged: its receiver finds the bytes wrong and raises there)."""
+    size = chunk or CHUNK
     outgoing = [Outgoing(storage, step) for _, storage, step in sends]
-    sizes = _swap(group, [(dst, torch.tensor([len(o.header), o.total], dtype=torch.int64)) for (dst, _, _), o in
-                          zip(sends, outgoing)], [(src, torch.zeros(2, dtype=torch.int64)) for src, _, _ in receives])
+    sizes = _swap(group, [(dst, torch.tensor([len(o.header), o.total, size], dtype=torch.int64)) for (dst, _, _), o in
+                          zip(sends, outgoing)], [(src, torch.zeros(3, dtype=torch.int64)) for src, _, _ in receives])
     headers = _swap(group, [(dst, _bytes(o.header)) for (dst, _, _), o in zip(sends, outgoing) if o.header],
                     [(src, torch.empty(int(n[0]), dtype=torch.uint8)) for (src, _, _), n in zip(receives, sizes) if n[0]])
     texts = iter(headers)
     incoming = [Incoming(storage, step, bytes(next(texts).numpy()) if n[0] else b"", sender=f"rank {src}")
                 for (src, storage, step), n in zip(receives, sizes)]
-    totals = [int(n[1]) for n in sizes]
-    received = _rounds(group, sends, outgoing, receives, incoming, totals, chunk)
+    streams = [(dst, o, o.total, size) for (dst, _, _), o in zip(sends, outgoing)]
+    copies = [(src, copy, int(n[1]), max(1, int(n[2]))) for (src, _, _), copy, n in zip(receives, incoming, sizes)]
+    received = _rounds(group, streams, copies)
     for problem in (p for o in outgoing for p in o.problems):
         log.warning("sent zeros for what could not be read: %s", problem)
     problems = []
@@ -203,21 +206,22 @@ def exchange(group: Any, sends: list[tuple[int, Storage, int]], receives: list[t
     return received
 
 
-def _rounds(group: Any, sends: list[tuple[int, Storage, int]], outgoing: list[Outgoing],
-            receives: list[tuple[int, Storage, int]], incoming: list[Incoming], totals: list[int], chunk: int) -> int:
-    """Every pair's chunks, round by round; a receive that fails goes on taking (and dropping) its chunks."""
-    out_buffers = [torch.empty(min(chunk, o.total), dtype=torch.uint8) for o in outgoing]
-    in_buffers = [torch.empty(min(chunk, total), dtype=torch.uint8) for total in totals]
-    rounds = max([-(-o.total // chunk) for o in outgoing] + [-(-t // chunk) for t in totals], default=0)
+def _rounds(group: Any, streams: list[tuple[int, Outgoing, int, int]], copies: list[tuple[int, Incoming, int, int]]
+            ) -> int:
+    """Every pair's chunks, round by round (``(peer, stream, total bytes, chunk size)`` each way); a copy that failed
+    goes on taking (and dropping) its chunks, so that its sender is never left waiting."""
+    out_buffers = [torch.empty(min(chunk, total), dtype=torch.uint8) for _, _, total, chunk in streams]
+    in_buffers = [torch.empty(min(chunk, total), dtype=torch.uint8) for _, _, total, chunk in copies]
+    rounds = max([-(-total // chunk) for _, _, total, chunk in streams + copies], default=0)
     received = 0
     for k in range(rounds):
         posted, landed = [], []
-        for (dst, _, _), o, buf in zip(sends, outgoing, out_buffers):
-            n = min(chunk, o.total - k * chunk)
+        for (dst, stream, total, chunk), buf in zip(streams, out_buffers):
+            n = min(chunk, total - k * chunk)
             if n > 0:
-                o.fill(byte_view(buf[:n]))
+                stream.fill(byte_view(buf[:n]))
                 posted.append((dst, buf[:n]))
-        for (src, _, _), copy, buf, total in zip(receives, incoming, in_buffers, totals):
+        for (src, copy, total, chunk), buf in zip(copies, in_buffers):
             n = min(chunk, total - k * chunk)
             if n > 0:
                 landed.append((src, buf[:n], copy))
@@ -226,8 +230,8 @@ def _rounds(group: Any, sends: list[tuple[int, Storage, int]], outgoing: list[Ou
             received += view.numel()
             if not copy.problems:
                 _drain(copy, view)
-    for o in outgoing:
-        o.close()
+    for _, stream, _, _ in streams:
+        stream.close()
     return received
 
 
