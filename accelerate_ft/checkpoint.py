@@ -236,7 +236,8 @@ class FaultTolerantCheckpoint:
         metadata = {"epoch": self.epoch, "batches_done": self._batches_done}
         if self.manager.maybe_save(self.global_step, self.state, epoch=self.epoch, metadata=metadata):
             assert self.manager.last_save is not None
-            self._saves_to_report.append(self.manager.last_save)
+            if self.manager.last_save.durable:  # a fast-tier save reports no time to durable
+                self._saves_to_report.append(self.manager.last_save)
             started = self.manager.metrics()  # this save's stall and the current interval
             self._log({k: v for k, v in started.items() if k not in ("durable_s", "bytes")})
 

@@ -353,7 +353,8 @@ class FaultTolerantCheckpoint(Checkpoint):
         self.stalls.append(time.perf_counter() - t0)
         assert self.manager.last_save is not None
         self.saves.append(self.manager.last_save)
-        self._unreported.append(self.manager.last_save)
+        if self.manager.last_save.durable:  # a fast-tier save reports no time to durable
+            self._unreported.append(self.manager.last_save)
         self._log(trainer, {k: v for k, v in self.manager.metrics().items() if k not in ("durable_s", "bytes")})
 
     def _report_commits(self, trainer: pl.Trainer) -> None:

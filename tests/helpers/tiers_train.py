@@ -56,29 +56,44 @@ def build(kind: str, world: int) -> torch.nn.Module:
     return fully_shard(model, mesh=mesh)
 
 
-def train_step(state: dict, step: int, rank: int) -> None:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    x, y = torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
-    opt = state["optim"]
-    opt.zero_grad()
-    torch.nn.functional.mse_loss(state["model"](x), y).backward()
-    opt.step()
-    state["progress"]["step"] = step
+class Training:
+    """The model and its optimizer as one stateful value, through DCP's state-dict helpers (as torchtitan and
+    ``accelerate_ft`` do): under FSDP2 they give the optimizer's state as DTensors even before its first step."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.optim = model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.model, self.optim)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, sd: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+    def step(self, step: int, rank: int) -> None:
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
+        self.optim.zero_grad()
+        torch.nn.functional.mse_loss(self.model(x), y).backward()
+        self.optim.step()
 
 
 def digest(state: dict) -> str:
     """Every tensor's bytes (a DTensor's local shard), every other value of the state, and the RNG, hashed."""
     h = hashlib.sha256(torch.get_rng_state().numpy().tobytes())
-    for part in ("model", "optim"):
-        flat: dict = {}
-        _flatten(state[part].state_dict(), part, flat)
-        for key in sorted(flat):
-            value = flat[key]
-            if isinstance(value, torch.Tensor):
-                local = value.to_local() if hasattr(value, "to_local") else value
-                h.update(key.encode() + local.detach().contiguous().numpy().tobytes())
-            else:
-                h.update(f"{key}={value!r}".encode())
+    flat: dict = {}
+    _flatten(state["training"].state_dict(), "training", flat)
+    for key in sorted(flat):
+        value = flat[key]
+        if isinstance(value, torch.Tensor):
+            local = value.to_local() if hasattr(value, "to_local") else value
+            h.update(key.encode() + local.detach().contiguous().numpy().tobytes())
+        else:
+            h.update(f"{key}={value!r}".encode())
     h.update(repr(state["progress"]).encode())
     return h.hexdigest()
 
@@ -157,8 +172,8 @@ def main() -> None:
     attempt, crashes = attempt_index(), args.crashes.split(";")
     crash_at, how = parse_crash(crashes[attempt] if attempt < len(crashes) else "")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = build(args.model, world)
-    state = {"model": model, "optim": torch.optim.Adam(model.parameters(), lr=1e-2), "progress": {"step": 0}}
+    training = Training(build(args.model, world))
+    state = {"training": training, "progress": {"step": 0}}
     torch.manual_seed(100 + rank)
     if "die-copying" in how and os.environ["FT_TEST_NODE"] == "B":
         die_while_copying(crash_at)  # type: ignore[arg-type]
@@ -167,7 +182,8 @@ def main() -> None:
         start = ckpt.resume(state) or 0
         report(args.out, event="resumed", attempt=attempt, step=start, source=ckpt.resumed_source, digest=digest(state))
         for step in range(start + 1, args.steps + 1):
-            train_step(state, step, rank)
+            training.step(step, rank)
+            state["progress"]["step"] = step
             ckpt.maybe_save(step, state)
             report(args.out, event="step", attempt=attempt, step=step, digest=digest(state))
             if step == crash_at and "die-copying" not in how:
