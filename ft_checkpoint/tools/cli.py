@@ -2,7 +2,7 @@
 
     ft-checkpoint plan --mtbf 6h --cost 5m [--restart 2m] [--json] [--plot waste.png]
     ft-checkpoint simulate [--mtbf 15m,1h,6h,1d,1w] [--cost 1s,10s,1m,10m] [--weibull 0.7] [--json]
-    ft-checkpoint ls DIR [--json]
+    ft-checkpoint ls DIR [--fast FAST_DIRPATH] [--json]
     ft-checkpoint verify DIR [--step N | --all] [--json]
     ft-checkpoint inspect DIR [--step N] [--json]
     ft-checkpoint gc DIR --keep N [--keep-every M] [--dry-run] [--json]
@@ -265,25 +265,39 @@ def emit(args: argparse.Namespace, data: Any, lines: list[str]) -> None:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from ft_checkpoint.tools.catalog import list_checkpoints
+    from ft_checkpoint.tools.catalog import fast_tier_steps, list_checkpoints
 
     storage = open_storage(args.dir)
     listing = list_checkpoints(storage)
+    fast = fast_tier_steps(listing.url, args.fast) if args.fast else {}
     pick = f"resume would pick step {listing.resume_step}" if listing.resume_step is not None else \
         "no committed step: a resume would start fresh"
     lines = [f"{listing.url}: {plural(len(listing.steps), 'step directory', 'step directories')}; {pick}"]
-    if not listing.steps:
+    if not listing.steps and not fast:
         from ft_checkpoint.tools.catalog import checkpoint_dirs_below
 
         lines += [f"HINT: checkpoints are in {url}: 'ft-checkpoint ls {url}'" for url in checkpoint_dirs_below(storage)]
-    rows = [[str(i.step), i.status, utc(i.time), human_bytes(i.bytes), str(i.files),
-             "-" if i.world_size is None else str(i.world_size),
-             "<- resume" if i.step == listing.resume_step else i.reason or ""] for i in listing.steps]
+    rows = {i.step: [str(i.step), i.status, utc(i.time), human_bytes(i.bytes), str(i.files),
+                     "-" if i.world_size is None else str(i.world_size), "durable",
+                     "<- resume" if i.step == listing.resume_step else i.reason or ""] for i in listing.steps}
+    for step, held in fast.items():
+        what = f"fast ({plural(len(held['ranks']), 'rank')} here{'' if held['committed'] else ', not committed'})"
+        if step in rows and rows[step][1] == "committed":
+            rows[step][6] = f"durable, {what}"
+        else:
+            rows[step] = [str(step), "committed" if held["committed"] else "partial", "-", human_bytes(held["bytes"]),
+                          "-", "-", what, ""]
     if rows:
-        lines += table(["step", "status", "saved (UTC)", "size", "files", "world", ""], rows, "><<>>><")
+        header = ["step", "status", "saved (UTC)", "size", "files", "world", "tiers", ""]
+        table_rows = [rows[s] if args.fast else rows[s][:6] + rows[s][7:] for s in sorted(rows)]
+        lines += table(header if args.fast else header[:6] + header[7:], table_rows, "><<>>><<" if args.fast else "><<>>><")
+    if fast:
+        newest = max(fast)
+        lines.append(f"this node's fast tier ({args.fast}) holds step {newest}, which a resume takes if every rank's "
+                     f"part is on some node: 'ft-checkpoint inspect {fast[newest]['folders'][0]} --step {newest}' shows one")
     if listing.resume_step is not None:
         lines.append(f"(sizes checked; 'ft-checkpoint verify {args.dir or listing.url}' checks checksums too)")
-    emit(args, listing.to_dict(), lines)
+    emit(args, {**listing.to_dict(), "fast": {str(k): v for k, v in fast.items()}}, lines)
     return 0
 
 
@@ -339,6 +353,10 @@ def _inspect_lines(info: dict[str, Any]) -> list[str]:
     lines = [f"step {info['step']} of {info['url']}: saved {utc(m['time'])}, world size {m['world_size']}, "
              f"epoch {m['epoch']}, format {m['format_version']}",
              "versions: " + ", ".join(f"{k} {v}" for k, v in sorted(m["versions"].items()))]
+    fast = m["metadata"].get("fast_tier") if isinstance(m["metadata"], dict) else None
+    if isinstance(fast, dict):
+        lines.append(f"fast tier: rank {fast.get('rank')}'s part of a step of {fast.get('world_size')} ranks, on node "
+                     f"{fast.get('node')} (its local state only: what this rank loads at a resume)")
     if m["metadata"]:
         lines.append(f"metadata: {json.dumps(m['metadata'])}")
     lines += _deepspeed_lines(m["metadata"])
@@ -494,7 +512,9 @@ def _add_directory_commands(sub: Any) -> None:
         p.set_defaults(func=func)
         return p
 
-    add("ls", cmd_ls, "list the steps: status, time, size, files, world size, and the step a resume would pick")
+    ls = add("ls", cmd_ls, "list the steps: status, time, size, files, world size, and the step a resume would pick")
+    ls.add_argument("--fast", metavar="FAST_DIRPATH",
+                    help="also list what this node's fast tier (the run's fast_dirpath) holds, and which tiers hold each step")
     verify = add("verify", cmd_verify, "check sizes and checksums; exit code 0 only if everything checked is intact")
     which = verify.add_mutually_exclusive_group()
     which.add_argument("--step", type=step_number,

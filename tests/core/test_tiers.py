@@ -7,6 +7,7 @@ The multi-node behaviour (peer copies, a replaced node, a node killed during a t
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 import subprocess
@@ -215,3 +216,19 @@ def test_fast_tier_settings_come_from_the_environment_and_are_checked(monkeypatc
         CheckpointConfig(dirpath="gs://b/run", fast_dirpath="gs://b/fast")
     with pytest.raises(ConfigError, match="fast_replicas=2 is invalid"):
         CheckpointConfig(dirpath="gs://b/run", fast_replicas=2)
+
+
+def test_ls_shows_which_tiers_hold_each_step_and_inspect_shows_a_fast_tier_part(tmp_path, capsys):
+    from ft_checkpoint.tools.cli import main
+
+    url, fast = str(tmp_path / "ckpt"), str(tmp_path / "fast")
+    run(url, fast, 5)  # durable step 4, fast step 5 (4 was deleted from the fast tier when 5 committed)
+    assert main(["ls", url, "--fast", fast]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.split()[:1] in (["4"], ["5"])}
+    assert "durable" in rows["4"] and "fast" not in rows["4"]
+    assert "committed" in rows["5"] and "fast (1 rank here)" in rows["5"]
+    assert main(["ls", url, "--fast", fast, "--json"]) == 0
+    held = json.loads(capsys.readouterr().out)["fast"]["5"]
+    assert held["ranks"] == [0] and held["committed"] and held["bytes"] > 0
+    assert main(["inspect", held["folders"][0], "--step", "5"]) == 0
+    assert "fast tier: rank 0's part of a step of 1 ranks" in capsys.readouterr().out
