@@ -118,7 +118,7 @@ class CheckpointManager:
                                          margin=parse_duration(c.end_time_margin))
         self.journal.record("attempt_start", world_size=self.groups.world_size,
                             progress_interval=parse_duration(c.progress_interval), preemption_signals=self.watcher.signals)
-        learners = [p for p in (self.adaptive, self.fast and find_policy(self.fast.policy, AdaptiveInterval)) if p]
+        learners = [p for p in (self.adaptive, self.fast and self.fast.adaptive) if p]
         if learners and self.rank == 0:
             summaries = attempt_summaries(self.storage)
             for learner in learners:

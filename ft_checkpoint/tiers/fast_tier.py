@@ -39,12 +39,13 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from ft_checkpoint import layout
+from ft_checkpoint.adaptive.policy import AdaptiveInterval
 from ft_checkpoint.config import CheckpointConfig
 from ft_checkpoint.dist import Groups
 from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, StateMismatchError, StorageError
 from ft_checkpoint.lease import job_id
 from ft_checkpoint.loading import OpenedStep, StepLoader
-from ft_checkpoint.policy import SaveContext, SavePolicy, policy_from_interval
+from ft_checkpoint.policy import SaveContext, SavePolicy, find_policy, policy_from_interval
 from ft_checkpoint.staging import padded
 from ft_checkpoint.state import merge_tree, split_tree
 from ft_checkpoint.tiers import room, sources
@@ -99,6 +100,8 @@ class FastTier:
         self.tier = dataclasses.replace(groups, writer=group, control=group)
         """Rank and world size, and the fast tier's own gloo group (its collectives use ``writer=True``)."""
         self.policy: SavePolicy = policy_from_interval(config.fast_interval, **adaptive)
+        self.adaptive = find_policy(self.policy, AdaptiveInterval)
+        """The fast tier's adaptive interval (``fast_interval="adaptive"``), fed each fast-tier save's cost."""
         self.last: FastSave | None = None
         self.committed: int | None = self._own_mark()
         """The newest step committed in this rank's own folder."""
@@ -162,19 +165,28 @@ class FastTier:
         return self.last
 
     def write(self, save: FastSave, staged: Mapping[str, Any], fields: dict[str, Any], writers: int) -> bool:
-        """Write, copy and commit ``save.step`` from ``staged`` (the writer thread, every rank); whether it committed."""
+        """Write, copy and commit ``save.step`` from ``staged`` (the writer thread, every rank), then delete the
+        older steps; whether it committed."""
         step = save.step
         ok = self._agree(step, "written", lambda: self._write_own(step, staged, fields, writers))
         if ok and self.replicas:
             ok = self._agree(step, "copied to its peer", lambda: self._copy(step))
         if ok:
             ok = self._agree(step, "marked committed", lambda: self._mark(step))
-        if ok:
-            save.duration = time.monotonic() - save.started
-            if self.rank == 0:
-                log.info("fast-tier step %d committed on %d node(s)%s in %.2f s", step, len(self.ring.nodes),
-                         " with peer copies" if self.replicas else "", save.duration)
-        return ok
+        if not ok:
+            return False
+        save.duration = time.monotonic() - save.started
+        if self.rank == 0:
+            log.info("fast-tier step %d committed on %d node(s)%s, %.2f s after the save began", step,
+                     len(self.ring.nodes), " with peer copies" if self.replicas else "", save.duration)
+        if self.adaptive is not None:
+            self.adaptive.observe_save(cost=save.stall, durable=save.duration)
+        try:  # the step is committed: a failed clean-up is only logged (the next save retries it)
+            for rank in self.held:
+                self.folder.retain(rank, {step})
+        except (OSError, StorageError) as e:
+            log.warning("fast tier: deleting the steps before step %d failed: %s", step, e)
+        return True
 
     def _write_own(self, step: int, staged: Mapping[str, Any], fields: dict[str, Any], writers: int) -> None:
         keep = {s for s in (self.committed, step) if s is not None}
@@ -200,7 +212,6 @@ class FastTier:
     def _mark(self, step: int) -> None:
         for rank in self.held:
             self.folder.commit(rank, step=step, world_size=self.ring.world_size)
-            self.folder.retain(rank, {step})
         self.committed = step
 
     def _agree(self, step: int, what: str, fn: Callable[[], None]) -> bool:

@@ -208,31 +208,52 @@ def exchange(group: Any, sends: list[tuple[int, Storage, int]], receives: list[t
 
 def _rounds(group: Any, streams: list[tuple[int, Outgoing, int, int]], copies: list[tuple[int, Incoming, int, int]]
             ) -> int:
-    """Every pair's chunks, round by round (``(peer, stream, total bytes, chunk size)`` each way); a copy that failed
-    goes on taking (and dropping) its chunks, so that its sender is never left waiting."""
-    out_buffers = [torch.empty(min(chunk, total), dtype=torch.uint8) for _, _, total, chunk in streams]
-    in_buffers = [torch.empty(min(chunk, total), dtype=torch.uint8) for _, _, total, chunk in copies]
+    """Every pair's chunks, round by round (``(peer, stream, total bytes, chunk size)`` each way), two buffers per
+    pair: while round k's messages are on the wire, round k+1's chunks are read and round k-1's written and
+    checked. A copy that failed goes on taking (and dropping) its chunks, so that its sender is never left waiting."""
+    out_buffers = [[torch.empty(min(chunk, total), dtype=torch.uint8) for _ in range(2)] for _, _, total, chunk in streams]
+    in_buffers = [[torch.empty(min(chunk, total), dtype=torch.uint8) for _ in range(2)] for _, _, total, chunk in copies]
     rounds = max([-(-total // chunk) for _, _, total, chunk in streams + copies], default=0)
+    _fill(streams, out_buffers, 0)
     received = 0
+    landed: list[tuple[int, torch.Tensor, Incoming]] = []
     for k in range(rounds):
-        posted, landed = [], []
-        for (dst, stream, total, chunk), buf in zip(streams, out_buffers):
-            n = min(chunk, total - k * chunk)
-            if n > 0:
-                stream.fill(byte_view(buf[:n]))
-                posted.append((dst, buf[:n]))
-        for (src, copy, total, chunk), buf in zip(copies, in_buffers):
-            n = min(chunk, total - k * chunk)
-            if n > 0:
-                landed.append((src, buf[:n], copy))
-        _swap(group, posted, [(src, view) for src, view, _ in landed])
-        for _, view, copy in landed:
-            received += view.numel()
-            if not copy.problems:
-                _drain(copy, view)
+        posted = [(dst, view) for (dst, _, total, chunk), bufs in zip(streams, out_buffers)
+                  if (view := _piece(bufs, k, total, chunk)) is not None]
+        arriving = [(src, view, copy) for (src, copy, total, chunk), bufs in zip(copies, in_buffers)
+                    if (view := _piece(bufs, k, total, chunk)) is not None]
+        works = _post(group, posted, [(src, view) for src, view, _ in arriving])
+        _fill(streams, out_buffers, k + 1)  # while round k is on the wire
+        received += _take(landed)
+        for work in works:
+            work.wait()
+        landed = arriving
+    received += _take(landed)
     for _, stream, _, _ in streams:
         stream.close()
     return received
+
+
+def _piece(buffers: list[torch.Tensor], k: int, total: int, chunk: int) -> torch.Tensor | None:
+    """Round ``k``'s part of a pair's buffers (they alternate), or None once the pair is done."""
+    n = min(chunk, total - k * chunk)
+    return buffers[k % 2][:n] if n > 0 else None
+
+
+def _fill(streams: list[tuple[int, Outgoing, int, int]], buffers: list[list[torch.Tensor]], k: int) -> None:
+    """Read round ``k``'s chunk of every stream into its buffer."""
+    for (_, stream, total, chunk), bufs in zip(streams, buffers):
+        view = _piece(bufs, k, total, chunk)
+        if view is not None:
+            stream.fill(byte_view(view))
+
+
+def _take(landed: list[tuple[int, torch.Tensor, Incoming]]) -> int:
+    """Write and check what a round received; its bytes."""
+    for _, view, copy in landed:
+        if not copy.problems:
+            _drain(copy, view)
+    return sum(view.numel() for _, view, _ in landed)
 
 
 def _drain(copy: Incoming, view: torch.Tensor) -> None:
@@ -244,11 +265,15 @@ def _drain(copy: Incoming, view: torch.Tensor) -> None:
 
 def _swap(group: Any, sends: list[tuple[int, torch.Tensor]], receives: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
     """Post every send and receive, then wait for all of them; the receive buffers, filled."""
-    works = [dist.isend(t, dst, group=group) for dst, t in sends] + [dist.irecv(t, src, group=group) for src, t in receives]
-    for work in works:
-        if work is not None:
-            work.wait()
+    for work in _post(group, sends, receives):
+        work.wait()
     return [t for _, t in receives]
+
+
+def _post(group: Any, sends: list[tuple[int, torch.Tensor]], receives: list[tuple[int, torch.Tensor]]) -> list[Any]:
+    """Post every send and receive (without waiting); their works."""
+    works = [dist.isend(t, dst, group=group) for dst, t in sends] + [dist.irecv(t, src, group=group) for src, t in receives]
+    return [w for w in works if w is not None]
 
 
 def _bytes(data: bytes) -> torch.Tensor:
