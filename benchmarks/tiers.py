@@ -111,29 +111,30 @@ def bench_resume(model, opt, fast_root: str, repeats: int, skip: set[str]) -> di
 
 
 def bench_save(model, opt, fast_root: str, warmup: int, repeats: int) -> dict[str, tuple[float, float]]:
-    """``{"today": (stall, CPU s), "fast tier": (stall, CPU s)}``, medians."""
+    """``{"today": (stall, CPU s), "fast tier": (stall, CPU s)}``, medians; the two saves alternate step by step, so
+    that both see the same load of a shared machine."""
     state = {"model": model, "optim": opt}
     base = tempfile.mkdtemp(prefix="ft_tiers_save_")
     fast = os.path.join(fast_root, f"ft-bench-{uuid.uuid4().hex[:6]}")
-    results = {}
+    configs = {"today": {"interval": 1}, "fast tier": {"interval": NEVER, "fast_dirpath": fast, "fast_interval": 1}}
+    managers = {name: CheckpointManager(os.path.join(base, str(i)), announce=False, **config)
+                for i, (name, config) in enumerate(configs.items())}
+    measured: dict[str, list[tuple[float, float]]] = {name: [] for name in managers}
     try:
-        for name, config in (("today", {"interval": 1}),
-                             ("fast tier", {"interval": NEVER, "fast_dirpath": fast, "fast_interval": 1})):
-            stalls, cpus = [], []
-            with CheckpointManager(os.path.join(base, name.replace(" ", "_")), announce=False, **config) as ckpt:
-                for step in range(1, warmup + repeats + 1):
-                    cpu0, t0 = time.process_time(), time.perf_counter()
-                    assert ckpt.maybe_save(step, state)
-                    stall = time.perf_counter() - t0
-                    ckpt.wait()
-                    if step > warmup:
-                        stalls.append(stall)
-                        cpus.append(time.process_time() - cpu0)
-            results[name] = (statistics.median(stalls), statistics.median(cpus))
+        for step in range(1, warmup + repeats + 1):
+            for name, ckpt in managers.items():
+                cpu0, t0 = time.process_time(), time.perf_counter()
+                assert ckpt.maybe_save(step, state)
+                stall = time.perf_counter() - t0
+                ckpt.wait()
+                if step > warmup:
+                    measured[name].append((stall, time.process_time() - cpu0))
     finally:
+        for ckpt in managers.values():
+            ckpt.close()
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(fast, ignore_errors=True)
-    return results
+    return {name: (statistics.median(s for s, _ in m), statistics.median(c for _, c in m)) for name, m in measured.items()}
 
 
 def _peer_worker(rank: int, port: int, mb: int, fast_root: str, warmup: int, repeats: int, queue) -> None:
