@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ft_checkpoint import checksum, layout
 from ft_checkpoint.errors import CheckpointCorruptError, StorageError
-from ft_checkpoint.shards import byte_view
+from ft_checkpoint.shards import _read_exactly, byte_view
 from ft_checkpoint.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class Outgoing:
                 continue
             n = min(len(view), self._left)
             try:
-                _read_exactly(self._f, view[:n])
+                _read_exactly(self._f, view[:n], self.files[self._index][0])
             except (OSError, ValueError) as e:
                 view[:n] = bytes(n)
                 self._fail(f"{self.files[self._index][0]}: {type(e).__name__}: {e}")
@@ -279,10 +279,3 @@ def _post(group: Any, sends: list[tuple[int, torch.Tensor]], receives: list[tupl
 def _bytes(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
-
-def _read_exactly(f: Any, view: memoryview) -> None:
-    while view:
-        n = f.readinto(view)
-        if not n:
-            raise ValueError("the file ends before the size its manifest lists")
-        view = view[n:]

@@ -25,14 +25,11 @@ import torch.distributed.checkpoint as dcp
 
 from ft_checkpoint import layout, shards
 from ft_checkpoint.engine import versions
+from ft_checkpoint.staging import _is_dtensor
 from ft_checkpoint.storage import Storage
 
 FAST_TIER = "fast_tier"
 """The key of a fast-tier part's own metadata in its manifest."""
-
-
-def is_dtensor(t: Any) -> bool:
-    return type(t).__name__ == "DTensor"
 
 
 def local_part(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, list[list[int]]]]:
@@ -46,7 +43,7 @@ def local_part(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Ten
     """
     local, where = {}, {}
     for key, t in tensors.items():
-        if is_dtensor(t):
+        if _is_dtensor(t):
             chunk = t.__create_chunk_list__()[0]  # type: ignore[attr-defined]  # DCP's protocol: this rank's one shard
             where[key] = [list(t.shape), list(chunk.offsets)]
             local[key] = t.to_local()  # type: ignore[attr-defined]

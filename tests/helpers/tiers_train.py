@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from ft_checkpoint import CheckpointManager, layout  # noqa: E402
 from ft_checkpoint.testing.jobs import report  # noqa: E402
 from ft_checkpoint.tiers import transfer  # noqa: E402
+from tests.helpers import toy  # noqa: E402
 
 
 def build(kind: str, world: int) -> torch.nn.Module:
@@ -85,8 +86,7 @@ class Training:
 def digest(state: dict) -> str:
     """Every tensor's bytes (a DTensor's local shard), every other value of the state, and the RNG, hashed."""
     h = hashlib.sha256(torch.get_rng_state().numpy().tobytes())
-    flat: dict = {}
-    _flatten(state["training"].state_dict(), "training", flat)
+    flat = toy.flat(state["training"])
     for key in sorted(flat):
         value = flat[key]
         if isinstance(value, torch.Tensor):
@@ -96,17 +96,6 @@ def digest(state: dict) -> str:
             h.update(f"{key}={value!r}".encode())
     h.update(repr(state["progress"]).encode())
     return h.hexdigest()
-
-
-def _flatten(obj: object, prefix: str, out: dict) -> None:
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            _flatten(v, f"{prefix}/{k}", out)
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            _flatten(v, f"{prefix}/{i}", out)
-    else:
-        out[prefix] = obj
 
 
 def damage(ckpt: CheckpointManager, step: int, lose: list[str], flip: list[str]) -> None:
