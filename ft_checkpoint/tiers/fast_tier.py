@@ -33,6 +33,7 @@ import dataclasses
 import logging
 import os
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -94,6 +95,9 @@ class FastTier:
         self.node = config.node_id or default_node_id(self.dirpath)
         self.folder = FastFolder(self.dirpath, run_key(durable_url, job_id()))
         pids = groups.all_gather((self.node, os.getpid()))
+        self.attempt: str = groups.broadcast(uuid.uuid4().hex[:12])
+        """This start of the job (rank 0's, on every rank): with the step, it names each save, which every part
+        and mark of the save carries."""
         self.ring = Ring(tuple(node for node, _ in pids))
         self.replicas = config.fast_replicas if len(self.ring.nodes) > 1 else 0
         group = dist.new_group(backend="gloo") if groups.distributed else None  # the fast tier's own
@@ -198,8 +202,8 @@ class FastTier:
                 self.folder.remove(rank)
         tensors, sharding = local_part(staged["tensors"])
         manifest = write_rank_step(self.folder.storage(self.rank), step, tensors, staged["rank_file"], rank=self.rank,
-                                   world_size=self.ring.world_size, node=self.node, sharding=sharding, writers=writers,
-                                   fields=fields)
+                                   world_size=self.ring.world_size, save=self.attempt, node=self.node,
+                                   sharding=sharding, writers=writers, fields=fields)
         if self.last is not None and self.last.step == step:
             self.last.bytes = manifest.total_bytes
 
@@ -211,7 +215,7 @@ class FastTier:
 
     def _mark(self, step: int) -> None:
         for rank in self.held:
-            self.folder.commit(rank, step=step, world_size=self.ring.world_size)
+            self.folder.commit(rank, step=step, world_size=self.ring.world_size, save=self.attempt)
         self.committed = step
 
     def _agree(self, step: int, what: str, fn: Callable[[], None]) -> bool:
@@ -258,7 +262,7 @@ class FastTier:
         result: Any = None
         phases: list[Callable[[], Any]] = [
             lambda: self._fetch(plan),
-            lambda: self._check(step),
+            lambda: self._check(plan),
             lambda: loader.open_step(layout.read_manifest(storage, step)),
             lambda: load(loader, opened),  # type: ignore[arg-type]  # set by the phase before
         ]
@@ -286,12 +290,13 @@ class FastTier:
             if receives:
                 log.info("rank %d: received its part of fast-tier step %d from rank %d", self.rank, plan.step, holder)
 
-    def _check(self, step: int) -> None:
-        manifest = layout.check_step(self.folder.storage(self.rank), step).raise_if_bad()
+    def _check(self, plan: sources.StepPlan) -> None:
+        manifest = layout.check_step(self.folder.storage(self.rank), plan.step).raise_if_bad()
         own = manifest.metadata.get(FAST_TIER)
-        if not isinstance(own, dict) or own.get("rank") != self.rank or own.get("world_size") != self.ring.world_size:
-            raise CheckpointCorruptError(f"{self.folder.storage(self.rank).url}: step {step} is not rank {self.rank}'s "
-                                         f"part of a step of {self.ring.world_size} ranks ({own!r})")
+        expected = {"rank": self.rank, "world_size": self.ring.world_size, "save": plan.save}
+        if not isinstance(own, dict) or any(own.get(k) != v for k, v in expected.items()):
+            raise CheckpointCorruptError(f"{self.folder.storage(self.rank).url}: step {plan.step} is not rank "
+                                         f"{self.rank}'s part of the save {plan.save} by {self.ring.world_size} ranks")
 
     def _phase(self, plan: sources.StepPlan, fn: Callable[[], T]) -> tuple[T | None, list[int], bool]:
         """Run ``fn`` on every rank: ``(its result here, the ranks where it failed, whether it failed here for

@@ -7,7 +7,8 @@
         owner.json                   the run's durable dirpath, host and the pids of its ranks on this node
         rank_00002/                  rank 2's files: a single-process checkpoint directory (see ``layout``)
           committed.json             the newest step committed for the whole job (written once every rank of
-                                     the job wrote its files and its peer copy, and all agreed)
+                                     the job wrote its files and its peer copy, and all agreed), and which
+                                     save wrote it (a step saved again after a resume is another save)
           step_000000000120/         manifest.json, metadata.json, __0_0.distcp, rank_00000.pt
           step_000000000125/         the step being written (or one a crash left: not committed)
 
@@ -19,9 +20,9 @@ Another run's folder is never read; it is removed once its owner is gone (same h
 Example:
     >>> import tempfile
     >>> folder = FastFolder(tempfile.mkdtemp(), run_key("gs://b/run", "TORCHELASTIC_RUN_ID=job1"))
-    >>> folder.commit(3, step=120, world_size=4)
+    >>> folder.commit(3, step=120, world_size=4, save="a1b2")
     >>> folder.committed(3)
-    Mark(step=120, world_size=4)
+    Mark(step=120, world_size=4, save='a1b2')
     >>> folder.held_ranks()
     [3]
 """
@@ -66,10 +67,12 @@ def rank_dir(rank: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Mark:
-    """What ``committed.json`` says: the newest step committed for the job, and the job's world size then."""
+    """What ``committed.json`` says: the newest step committed for the job, the job's world size then, and the save
+    that wrote it (every part of it carries the same; see ``write``)."""
 
     step: int
     world_size: int
+    save: str = ""
 
 
 class FastFolder:
@@ -102,16 +105,18 @@ class FastFolder:
             with open(path, "rb") as f:
                 body = jsonfile.load_object(f.read(jsonfile.MAX_BYTES + 1))
             return Mark(step=jsonfile.get_int(body, "step", minimum=0, maximum=layout.MAX_STEP - 1),  # type: ignore[arg-type]
-                        world_size=jsonfile.get_int(body, "world_size", minimum=1))  # type: ignore[arg-type]
+                        world_size=jsonfile.get_int(body, "world_size", minimum=1),  # type: ignore[arg-type]
+                        save=jsonfile.get_str(body, "save", optional=True) or "")
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as e:
             log.warning("ignoring %s: %s", path, e)
             return None
 
-    def commit(self, rank: int, *, step: int, world_size: int) -> None:
-        """Record ``step`` as rank ``rank``'s newest committed step here (atomically)."""
-        body = {"format": "ft-checkpoint-fast-tier", "step": step, "world_size": world_size, "time": time.time()}
+    def commit(self, rank: int, *, step: int, world_size: int, save: str) -> None:
+        """Record ``step`` (written by the save ``save``) as rank ``rank``'s newest committed step here (atomically)."""
+        body = {"format": "ft-checkpoint-fast-tier", "step": step, "world_size": world_size, "save": save,
+                "time": time.time()}
         self.storage(rank).write_bytes(COMMITTED, json.dumps(body).encode())
 
     def retain(self, rank: int, keep: set[int]) -> None:

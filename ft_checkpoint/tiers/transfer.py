@@ -14,7 +14,7 @@ Example (a rank sending to itself, in one process):
     >>> import tempfile, torch
     >>> from ft_checkpoint.tiers.write import write_rank_step
     >>> a, b = Storage(tempfile.mkdtemp(), fsync=False), Storage(tempfile.mkdtemp(), fsync=False)
-    >>> _ = write_rank_step(a, 7, {"w": torch.arange(5.0)}, b"rank file", rank=0, world_size=1)
+    >>> _ = write_rank_step(a, 7, {"w": torch.arange(5.0)}, b"rank file", rank=0, world_size=1, save="a1b2")
     >>> stream = Outgoing(a, 7); copy = Incoming(b, 7, stream.header)
     >>> for start in range(0, stream.total, 4):
     ...     chunk = bytearray(min(4, stream.total - start)); stream.fill(memoryview(chunk)); copy.drain(memoryview(chunk))

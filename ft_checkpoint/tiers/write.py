@@ -4,13 +4,14 @@ The part is what a single-process checkpoint of the rank's local state holds: th
 local shard: a view of the staged buffer, no copy), its rank file (the non-tensor state and RNG), and a
 manifest with every file's size and CRC-32C, written last. Under DDP each rank's part is the whole state,
 under FSDP2 its shards; the manifest's metadata says which rank of how many wrote it and where each shard
-lies, so a resume takes it only into the same world size and sharding.
+lies, so a resume takes it only into the same world size and sharding, and which save wrote it (every rank's
+part of one save carries the same: a resume never mixes the parts of two saves of the same step).
 
 Example:
     >>> import io, tempfile, torch
     >>> rank_file = io.BytesIO(); torch.save({"skeleton": {"w": None}, "per_rank": {}}, rank_file)
     >>> s = Storage(tempfile.mkdtemp(), fsync=False)
-    >>> m = write_rank_step(s, 5, {"w": torch.arange(3.0)}, rank_file.getvalue(), rank=1, world_size=2)
+    >>> m = write_rank_step(s, 5, {"w": torch.arange(3.0)}, rank_file.getvalue(), rank=1, world_size=2, save="a1b2")
     >>> sorted(m.files), m.metadata["fast_tier"]["rank"]
     (['__0_0.distcp', 'metadata.json', 'rank_00000.pt'], 1)
 """
@@ -53,8 +54,8 @@ def local_part(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Ten
 
 
 def write_rank_step(storage: Storage, step: int, tensors: Mapping[str, torch.Tensor], rank_file: bytes, *, rank: int,
-                    world_size: int, node: str = "", sharding: dict[str, Any] | None = None, writers: int = 1,
-                    fields: dict[str, Any] | None = None) -> layout.Manifest:
+                    world_size: int, save: str, node: str = "", sharding: dict[str, Any] | None = None,
+                    writers: int = 1, fields: dict[str, Any] | None = None) -> layout.Manifest:
     """Write rank ``rank``'s part of ``step`` (plain tensors: see :func:`local_part`) and commit it with its manifest.
 
     ``fields`` are the durable manifest's (epoch, metadata). What an interrupted write of the step left is
@@ -68,7 +69,7 @@ def write_rank_step(storage: Storage, step: int, tensors: Mapping[str, torch.Ten
     storage.write_bytes(f"{rel}/{name}", rank_file, atomic=False)
     files = {**writer.files, name: layout.FileEntry(size=len(rank_file), checksum=layout.checksum([rank_file]))}
     fields = dict(fields or {})
-    own = {"rank": rank, "world_size": world_size, "node": node, "sharding": sharding or {}}
+    own = {"rank": rank, "world_size": world_size, "save": save, "node": node, "sharding": sharding or {}}
     fields["metadata"] = {**(fields.get("metadata") or {}), FAST_TIER: own}
     manifest = layout.Manifest(step=step, world_size=1, files=files, versions=versions(), **fields)
     storage.write_bytes(f"{rel}/{layout.MANIFEST}", manifest.to_json())

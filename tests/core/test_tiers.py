@@ -158,7 +158,10 @@ def test_another_runs_files_are_never_used_and_are_removed_once_its_processes_ar
 def test_another_world_size_falls_back_to_the_durable_tier_saying_why(tmp_path, caplog):
     url, fast = str(tmp_path / "ckpt"), str(tmp_path / "fast")
     _, kept = run(url, fast, 6, keep=(4,))
-    runs_in(fast)[0].commit(0, step=6, world_size=2)  # what a job of 2 ranks writes there
+    folder = runs_in(fast)[0]
+    mark = folder.committed(0)
+    assert mark is not None
+    folder.commit(0, step=6, world_size=2, save=mark.save)  # what a job of 2 ranks writes there
     with caplog.at_level(logging.WARNING, logger="ft_checkpoint"):
         step, resumed, ckpt = resumes(url, fast)
     assert step == 4
@@ -189,7 +192,7 @@ def test_a_fast_tier_too_small_fails_at_the_first_save_with_free_and_needed_byte
 
 def test_a_copy_whose_bytes_do_not_match_the_senders_manifest_is_refused_and_left_nowhere(tmp_path):
     sender, receiver = Storage(str(tmp_path / "a"), fsync=False), Storage(str(tmp_path / "b"), fsync=False)
-    write_rank_step(sender, 7, {"w": torch.arange(1000.0)}, b"rank file", rank=0, world_size=1)
+    write_rank_step(sender, 7, {"w": torch.arange(1000.0)}, b"rank file", rank=0, world_size=1, save="a1b2")
     path = sender.path(f"{layout.step_dir(7)}/__0_0.distcp")
     data = bytearray(open(path, "rb").read())
     data[10] ^= 0x01
@@ -231,3 +234,19 @@ def test_ls_shows_which_tiers_hold_each_step_and_inspect_shows_a_fast_tier_part(
     assert held["ranks"] == [0] and held["committed"] and held["bytes"] > 0
     assert main(["inspect", held["folders"][0], "--step", "5"]) == 0
     assert "fast tier: rank 0's part of a step of 1 ranks" in capsys.readouterr().out
+
+
+def test_a_resume_never_mixes_the_parts_of_two_saves_of_the_same_step():
+    """Step 10 committed by save s1; after a resume from an older step, save s2 rewrote rank 0's part of step 10 on
+    node a and crashed before its commit. Rank 0 must take s1's copy from node b, never s2's part."""
+    from ft_checkpoint.tiers.folder import Mark
+    from ft_checkpoint.tiers.node import Ring
+    from ft_checkpoint.tiers.sources import Holding, plan_steps
+
+    ring = Ring(("a", "b"))
+    a = Holding("a", marks={0: Mark(10, 2, "s1")}, steps={10: {0: "s2", 1: "s1"}})
+    b = Holding("b", marks={1: Mark(10, 2, "s1")}, steps={10: {0: "s1", 1: "s1"}})
+    plan = plan_steps([a, b], ring)[0]
+    assert (plan.step, plan.save, plan.holders) == (10, "s1", (1, 1)), "rank 0's part comes from node b's copy"
+    b_lost = Holding("b", marks={}, steps={})
+    assert plan_steps([a, b_lost], ring) == [], "no complete s1 without node b: the durable tier, not a mixture"
