@@ -138,8 +138,8 @@ class CheckpointManager:
         """The last save started (of either tier: ``last_save.durable`` says whether it writes the durable one)."""
         self._last_durable: SaveStats | None = None
         self._due: tuple[int, bool, bool] | None = None
-        self._fast_refused = False
         """``(step, durable, fast)``: what :meth:`agree_to_save` decided last."""
+        self._fast_refused = False
         self.resumed_from: int | None = None
         self.resumed_source: str | None = None
         """Where the last resume took its step from: ``"fast tier, own node"``, ``"fast tier, peer copies"``, or the
@@ -282,7 +282,7 @@ class CheckpointManager:
         if fast and self.fast is not None:
             self.fast.check_room(tree)
             fast_save = self.fast.started(step, 0.0)
-            tier_write = self._fast_writer(fast_save, fields)
+            tier_write = self.fast.writer(fast_save, fields, writers=self.config.writers)
         stats = self.engine.save(step, tree, per_rank=ranked, files=lambda: stage_participants(participants),
                                  manifest_fields=fields, listener=self._events, called_at=called_at, durable=durable,
                                  tier_write=tier_write)
@@ -307,12 +307,6 @@ class CheckpointManager:
             self._fast_refused = True
             return True, False
         return durable or not fast, fast
-
-    def _fast_writer(self, save: Any, fields: dict[str, Any]) -> Callable[[dict[str, Any]], Any]:
-        """What the writer thread runs for the fast tier, from the staged copy (see the engine's ``tier_write``)."""
-        fast = self.fast
-        assert fast is not None
-        return lambda staged: fast.write(save, staged, fields, writers=self.config.writers)
 
     def check_continues_from(self, step: int, *, why: str | None = None) -> None:
         """Raise StateMismatchError now if a run at ``step`` (resumed from elsewhere, e.g. ``fit(ckpt_path=...)``)
@@ -375,27 +369,12 @@ class CheckpointManager:
         self._check_open()
         t0 = time.perf_counter()
         self.engine.phase("resuming", -1)
-        found, source, touched = None, self.storage.url, False
+        load = lambda loader, opened: load_state(loader, opened, state, participants=self._participants,  # noqa: E731
+                                                 per_rank=per_rank, check=check)
+        fast, touched = None, False
         if self.fast is not None and not self._participants.split(state)[1]:
-            fast, touched = self.fast.resume(
-                lambda loader, opened: load_state(loader, opened, state, participants=self._participants,
-                                                  per_rank=per_rank, check=check),
-                durable_newest=self._newest_committed)
-            if fast is not None:
-                manifest, ranked, source = fast
-                found = manifest, ranked
-        if found is None:
-            found = resume_newest(
-                self.storage, self.groups, open_step=self.loader.open_step,
-                check=lambda step: check_for_resume(self.storage, step, rank=self.rank, world_size=self.groups.world_size),
-                load=lambda opened: load_state(self.loader, opened, state, participants=self._participants,
-                                               per_rank=per_rank, check=check),
-                touches=lambda opened: opened.touches)
-            if found is None and touched:
-                raise CheckpointCorruptError(
-                    "a fast-tier step failed while it was loaded into the state, which may now be partly overwritten, "
-                    f"and {self.storage.url} has no step to load instead. HINT: start the job again: it will start fresh")
-            source = self.storage.url_of(layout.step_dir(found[0].step)) if found is not None else source
+            fast, touched = self.fast.resume(load, durable_newest=self._newest_committed)
+        found, source = (fast[:2], fast[2]) if fast is not None else self._resume_durable(load, touched)
         self._newest_committed = self.latest()
         if found is None:
             if self.rank == 0:
@@ -417,6 +396,19 @@ class CheckpointManager:
                      human_bytes(manifest.total_bytes), seconds)
         self._announce_start(f"{human_bytes(manifest.total_bytes)} verified and loaded in {seconds:.1f} s")
         return manifest.step
+
+    def _resume_durable(self, load: Callable[[StepLoader, Any], Any], touched: bool) -> tuple[Any, str]:
+        """``(found, source)`` from the durable tier (see ``resume_newest``); ``touched``: a fast-tier step failed while
+        it was loaded into the state, so finding nothing here is an error, not a fresh start."""
+        found = resume_newest(
+            self.storage, self.groups, open_step=self.loader.open_step,
+            check=lambda step: check_for_resume(self.storage, step, rank=self.rank, world_size=self.groups.world_size),
+            load=lambda opened: load(self.loader, opened), touches=lambda opened: opened.touches)
+        if found is None and touched:
+            raise CheckpointCorruptError(
+                "a fast-tier step failed while it was loaded into the state, which may now be partly overwritten, "
+                f"and {self.storage.url} has no step to load instead. HINT: start the job again: it will start fresh")
+        return found, self.storage.url_of(layout.step_dir(found[0].step)) if found is not None else self.storage.url
 
     def latest(self) -> int | None:
         """The newest step whose manifest parses (its data not verified; ``resume`` verifies)."""

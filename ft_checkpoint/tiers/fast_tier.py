@@ -168,6 +168,10 @@ class FastTier:
         self.last = FastSave(step=step, started=time.monotonic() - stall, stall=stall)
         return self.last
 
+    def writer(self, save: FastSave, fields: dict[str, Any], *, writers: int) -> Callable[[Mapping[str, Any]], bool]:
+        """What the engine's writer thread runs for this save, from the staged copy (the engine's ``tier_write``)."""
+        return lambda staged: self.write(save, staged, fields, writers)
+
     def write(self, save: FastSave, staged: Mapping[str, Any], fields: dict[str, Any], writers: int) -> bool:
         """Write, copy and commit ``save.step`` from ``staged`` (the writer thread, every rank), then delete the
         older steps; whether it committed."""
