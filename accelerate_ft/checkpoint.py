@@ -106,7 +106,9 @@ class FaultTolerantCheckpoint:
                  requeue: bool | None = None, end_time_margin: float | str | datetime.timedelta | None = None,
                  preemption_exit_code: int | None = None, writer: str | None = None, writer_priority: int | None = None,
                  writers: int | None = None, signing_key: str | None = None, signing_key_file: str | None = None,
-                 run_name: str | None = None, **misspelled: Any) -> None:
+                 run_name: str | None = None, fast_dirpath: str | None = None,
+                 fast_interval: int | datetime.timedelta | str | None = None, fast_replicas: int | None = None,
+                 node_id: str | None = None, **misspelled: Any) -> None:
         check_names(misspelled)
         config = given(locals())
         if plugin is not None and config:
@@ -321,7 +323,8 @@ class FaultTolerantCheckpoint:
         """Log a save that started (its stall and the current interval); its commit is logged later."""
         if stats is None:
             return
-        self._saves_to_report.append(stats)
+        if stats.durable:  # a fast-tier save reports no time to durable
+            self._saves_to_report.append(stats)
         started = self.manager.metrics()
         self._log({k: v for k, v in started.items() if k not in ("durable_s", "bytes")})
 

@@ -78,6 +78,10 @@ class FaultTolerantCheckpointPlugin:
     signing_key: str | None = dataclasses.field(default=None, repr=False)
     signing_key_file: str | None = None
     run_name: str | None = None
+    fast_dirpath: str | None = None
+    fast_interval: int | datetime.timedelta | str | None = None
+    fast_replicas: int | None = None
+    node_id: str | None = None
 
     config: CheckpointConfig = dataclasses.field(init=False, repr=False)
     """The resolved, validated core config."""

@@ -158,6 +158,24 @@ class CheckpointConfig:
     """The run's identity that signatures bind (default: the checkpoint directory's URL). Set it to the same name
     in every job of a run whose directory may be moved or copied, so that its signed steps verify there too."""
 
+    fast_dirpath: str | None = None
+    """The fast tier: a node-local directory each node keeps recent steps in, beside the durable ``dirpath``:
+    host shared memory (``/dev/shm/ft``: outlives the training processes, not the node) or a node-local disk.
+    A restart takes the newest step from the fastest place that has it. None: no fast tier (see the README's
+    "Tiers")."""
+
+    fast_interval: int | datetime.timedelta | str = "adaptive"
+    """When to save to the fast tier (with ``fast_dirpath``): like ``interval``, every N steps, a duration, or
+    ``"adaptive"`` (the optimum for the fast tier's own measured cost). A step due on both tiers is staged once."""
+
+    fast_replicas: int = 1
+    """Peer copies of each rank's fast-tier files, held by the next node of a ring over the nodes (1: the fast
+    tier survives the loss of one node; 0: none, a process crash only). Ignored on one node."""
+
+    node_id: str | None = None
+    """This node's name for the fast tier (whose files its folder holds). Default: the host name and
+    ``fast_dirpath``; torchrun's node rank is not used, since its c10d rendezvous renumbers nodes at each restart."""
+
     def __post_init__(self) -> None:
         for name, validate in _VALIDATORS.items():
             object.__setattr__(self, name, _validated(name, validate, getattr(self, name)))
@@ -262,6 +280,21 @@ def _check_dirpath(field: str, value: Any) -> str | None:
     if value is not None and set("*?[]") & set(value):
         _bad(field, value, "a path without *, ?, [ or ], which fsspec expands as patterns on some stores (a delete "
                            "in 'runs/sweep[1]' would also match 'runs/sweep1'); e.g. 'runs/sweep-1'")
+    return value
+
+
+def _check_fast_dirpath(field: str, value: Any) -> str | None:
+    _check_dirpath(field, value)
+    if isinstance(value, str) and "://" in value and not value.startswith("file://"):
+        _bad(field, value, "a node-local path such as '/dev/shm/ft' or '/local_nvme/ft' (the fast tier is on each node; "
+                           "the durable tier is dirpath)")
+    return value.removeprefix("file://") if isinstance(value, str) else value
+
+
+def _check_node_id(field: str, value: Any) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value.strip() or len(value) > 255
+                              or not value.isprintable()):
+        _bad(field, value, "a non-empty printable string of at most 255 characters naming this node, or None")
     return value
 
 
@@ -389,6 +422,10 @@ _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "signing_key": _check_signing_key,
     "signing_key_file": _check_path_or_name(key_file=True),
     "run_name": _check_path_or_name(key_file=False),
+    "fast_dirpath": _check_fast_dirpath,
+    "fast_interval": _normalize_interval,
+    "fast_replicas": _int(0, 1),
+    "node_id": _check_node_id,
 }
 """Each field's validator: ``(name, value) -> value`` (normalized), or a ConfigError naming the field."""
 
@@ -396,13 +433,14 @@ _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
 def _parse_env_value(field: str, text: str) -> Any:
     """The value of ``FT_CHECKPOINT_<FIELD>=text`` (validated later, with the other fields)."""
     word = text.strip().lower()
-    if field in ("requeue", "keep_every_n_steps") and word in ("", "none", "auto"):
+    if field in ("requeue", "keep_every_n_steps", "fast_dirpath", "node_id") and word in ("", "none", "auto"):
         return None
     if field in ("async_save", "final_save", "save_rng_state", "verify_checksums", "force_takeover", "requeue"):
         if word in _TRUE | _FALSE:
             return word in _TRUE
         _bad(field, text, "one of 1/0, true/false, yes/no, on/off")
-    if field in ("keep_last", "retries", "keep_every_n_steps", "preemption_exit_code", "writer_priority", "writers"):
+    if field in ("keep_last", "retries", "keep_every_n_steps", "preemption_exit_code", "writer_priority", "writers",
+                 "fast_replicas"):
         digits = word.removeprefix("-").removeprefix("+")
         if not (digits.isascii() and digits.isdigit() and len(digits) <= 20):
             _bad(field, text, "an integer")

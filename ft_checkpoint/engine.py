@@ -78,6 +78,8 @@ class SaveStats:
     """Seconds from the start of the save until its manifest was written."""
     bytes: int | None = None
     committed: bool = False
+    durable: bool = True
+    """Whether the save writes the durable tier (False: the fast tier only; then it never counts as committed)."""
 
 
 class SaveListener(Protocol):
@@ -97,7 +99,8 @@ class SaveListener(Protocol):
         """The previous save failed; raise to stop this save, return to go on."""
 
 
-def _versions() -> dict[str, str]:
+def versions() -> dict[str, str]:
+    """The versions a manifest records: ft-checkpoint, torch, Python."""
     from ft_checkpoint import __version__
 
     return {"ft_checkpoint": __version__, "torch": torch.__version__, "python": platform.python_version()}
@@ -147,7 +150,8 @@ class CheckpointEngine:
     def save(self, step: int, tree: dict[str, Any], *, per_rank: dict[str, Any] | None = None,
              manifest_fields: dict[str, Any] | None = None, listener: SaveListener | None = None,
              called_at: float | None = None,
-             files: Mapping[str, FileWriter] | Callable[[], Mapping[str, FileWriter]] | None = None) -> SaveStats:
+             files: Mapping[str, FileWriter] | Callable[[], Mapping[str, FileWriter]] | None = None,
+             durable: bool = True, tier_write: Callable[[dict[str, Any]], Any] | None = None) -> SaveStats:
         """Stage ``tree`` (tensors and plain values) and write it as step ``step``; returns once staged.
 
         ``per_rank`` is state kept in this rank's own file (RNG states, values that differ by rank), never
@@ -159,6 +163,8 @@ class CheckpointEngine:
         buffers the previous write read from.
         ``listener`` hears about the write (see :class:`SaveListener`). ``called_at`` (a
         ``time.perf_counter()`` value) is when the caller's save began, so the stall counts its work too.
+        ``tier_write(staged)`` writes another tier from the same staged copy (``staged["tensors"]``, the rank file
+        ``staged["rank_file"]``), on the writer thread, before the durable write (none if not ``durable``).
         """
         t0 = time.perf_counter() if called_at is None else called_at
         try:
@@ -173,9 +179,9 @@ class CheckpointEngine:
         own = files() if callable(files) else files
         staged = {"tensors": self._stager.stage(tensors), "rank_file": _serialize(skeleton, per_rank or {}),
                   "files": dict(own or {})}
-        stats = SaveStats(step=step, stall=time.perf_counter() - t0, waited=waited)
+        stats = SaveStats(step=step, stall=time.perf_counter() - t0, waited=waited, durable=durable)
         self.phase("staged", step)
-        self._future = self._executor.submit(self._write_job(stats, staged, manifest_fields or {}, listener))
+        self._future = self._executor.submit(self._write_job(stats, staged, manifest_fields or {}, listener, tier_write))
         if waited > 0.05:
             log.info("save of step %d waited %.2f s for the previous save to commit", step, waited)
         return stats
@@ -215,10 +221,15 @@ class CheckpointEngine:
             self.phase_hook(phase, step)
 
     def _write_job(self, stats: SaveStats, staged: dict[str, Any], fields: dict[str, Any],
-                   listener: SaveListener | None) -> Callable[[], SaveStats]:
+                   listener: SaveListener | None, tier_write: Callable[[dict[str, Any]], Any] | None
+                   ) -> Callable[[], SaveStats]:
         def job() -> SaveStats:
             if self.writer == "thread":
                 set_thread_priority(self.priority)
+            if tier_write is not None:
+                tier_write(staged)
+            if not stats.durable:
+                return stats
             start = time.perf_counter()
             if listener is not None:
                 listener.on_write_start(stats)
@@ -271,7 +282,7 @@ class CheckpointEngine:
                 listener: SaveListener | None) -> int:
         """Rank 0: write the manifest, last, in one object. Every rank learns the outcome (see ``_agree``)."""
         manifest = layout.Manifest(step=stats.step, world_size=self.groups.world_size, files=files,
-                                   versions=_versions(), **fields)
+                                   versions=versions(), **fields)
         if self.signer is not None:
             manifest = self.signer.sign(manifest)
         if listener is not None:

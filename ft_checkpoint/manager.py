@@ -30,7 +30,7 @@ from ft_checkpoint.config import CheckpointConfig
 from ft_checkpoint.cost import CostMeter
 from ft_checkpoint.dist import Groups, peer_lost, short_error
 from ft_checkpoint.engine import CheckpointEngine, SaveStats
-from ft_checkpoint.errors import ConfigError, LeaseError, Preempted, SaveError
+from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, LeaseError, Preempted, SaveError
 from ft_checkpoint.journal import Journal, attempt_summaries
 from ft_checkpoint.lease import Lease
 from ft_checkpoint.loading import StepLoader, load_state
@@ -57,6 +57,7 @@ from ft_checkpoint.state import (
     to_tree,
 )
 from ft_checkpoint.storage import Storage
+from ft_checkpoint.tiers.fast_tier import create_fast_tier
 from ft_checkpoint.units import human_bytes, human_seconds, parse_duration
 
 log = logging.getLogger(__name__)
@@ -105,10 +106,12 @@ class CheckpointManager:
         """Signs every manifest this job commits and refuses unsigned steps at resume (None: no ``signing_key``)."""
         self.groups = Groups.create()
         self.groups.on_rank0(self.storage.ensure_root)
-        self.policy = policy or policy_from_interval(
-            c.interval, world_size=self.groups.world_size, mtbf=c.mtbf, gpu_failure_rate=c.gpu_failure_rate,
-            min_interval=c.min_interval, max_interval=c.max_interval)
+        adaptive = dict(world_size=self.groups.world_size, mtbf=c.mtbf, gpu_failure_rate=c.gpu_failure_rate,
+                        min_interval=c.min_interval, max_interval=c.max_interval)
+        self.policy = policy or policy_from_interval(c.interval, **adaptive)
         self.adaptive = find_policy(self.policy, AdaptiveInterval)
+        self.fast = create_fast_tier(c, self.storage.url, self.groups, **adaptive)
+        """The fast tier (``fast_dirpath``), or None: see ``ft_checkpoint.tiers``."""
         self.journal = Journal(self.storage, enabled=self.rank == 0, progress_every=parse_duration(c.progress_interval))
         self.lease = Lease(self.storage, attempt=self.journal.attempt)
         self.groups.on_rank0(lambda: self.lease.acquire(force=c.force_takeover))
@@ -122,8 +125,11 @@ class CheckpointManager:
         self.journal.record("attempt_start", world_size=self.groups.world_size,
                             progress_interval=0.0 if self.journal.notes_every_step else parse_duration(c.progress_interval),
                             preemption_signals=self.watcher.signals)
-        if self.adaptive is not None and self.rank == 0:
-            self.adaptive.observe_journal(attempt_summaries(self.storage))
+        learners = [p for p in (self.adaptive, self.fast and self.fast.adaptive) if p]
+        if learners and self.rank == 0:
+            summaries = attempt_summaries(self.storage)
+            for learner in learners:
+                learner.observe_journal(summaries)
         self._cost = CostMeter()
         self._events = SaveEvents(storage=self.storage, config=c, rank=self.rank, journal=self.journal, lease=self.lease,
                                   watcher=self.watcher, cost=self._cost, adaptive=self.adaptive, phase=self.engine.phase)
@@ -136,7 +142,15 @@ class CheckpointManager:
         ``maybe_save`` then makes the final save and exits."""
         self._preempt_reason: str | None = None
         self.last_save: SaveStats | None = None
+        """The last save started (of either tier: ``last_save.durable`` says whether it writes the durable one)."""
+        self._last_durable: SaveStats | None = None
+        self._due: tuple[int, bool, bool] | None = None
+        """``(step, durable, fast)``: what :meth:`agree_to_save` decided last."""
+        self._fast_refused = False
         self.resumed_from: int | None = None
+        self.resumed_source: str | None = None
+        """Where the last resume took its step from: ``"fast tier, own node"``, ``"fast tier, peer copies"``, or the
+        durable step directory's URL."""
         self.resumed_rng: dict[str, Any] | None = None
         """The RNG states the last resume found for this rank (see ``resume(restore_rng=False)``)."""
         self.loaded: str | None = None
@@ -178,10 +192,15 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         """This rank's answer to "save at ``step``?": the policy's, or a preemption notice on this rank.
         No side effect and no collective: see :meth:`agree_to_save` for the answer every rank shares."""
-        return self.policy.should_save(self._context(step, self._notice()))
+        return self.policy.should_save(self._context(step, self._notice())) or self._fast_due(step)
+
+    def _fast_due(self, step: int) -> bool:
+        """The fast tier's policy's answer (False without a fast tier)."""
+        return self.fast is not None and not self._fast_refused and self.fast.policy.should_save(
+            self.fast.context(step, in_flight=self.engine.in_flight))
 
     def _context(self, step: int, notice: str | None) -> SaveContext:
-        last = self.last_save
+        last = self._last_durable
         return SaveContext(
             step=step, now=time.monotonic(), last_save_step=last.step if last else self.resumed_from,
             last_save_time=self._last_save_time, last_stall=last.stall if last else None,
@@ -194,18 +213,21 @@ class CheckpointManager:
         (then :attr:`preempted` is set), and a LeaseError on every rank if rank 0 lost the directory's lease."""
         notice = self._notice()
         ctx = self._context(step, notice)
-        decision, lost = self.policy.should_save(ctx), self.rank == 0 and self.lease.lost
-        if self.groups.distributed:  # one collective: rank 0's decision and lease, anyone's notice
-            votes = self.groups.all_gather((decision, notice, lost))
+        decision, lost, fast = self.policy.should_save(ctx), self.rank == 0 and self.lease.lost, self._fast_due(step)
+        if self.groups.distributed:  # one collective: rank 0's decisions and lease, anyone's notice
+            votes = self.groups.all_gather((decision, notice, lost, fast))
             decision = votes[0][0] if not self.policy.deterministic else decision
-            notice = next((f"{n} on rank {r}" for r, (_, n, _) in enumerate(votes) if n), None)
+            fast = votes[0][3] if self.fast is not None and not self.fast.policy.deterministic else fast
+            notice = next((f"{n} on rank {r}" for r, (_, n, _, _) in enumerate(votes) if n), None)
             lost = votes[0][2]
         if lost:
             raise LeaseError(f"another job took over the checkpoint directory {self.storage.url}; this job stops "
                              "saving there. HINT: give each job its own dirpath; see the warning about lease.json")
         self._preempt_reason = self._preempt_reason or notice  # the first notice agreed on
         self.preempted = notice is not None
-        return decision or (self.preempted and step != ctx.last_save_step)
+        durable = decision or (self.preempted and step != ctx.last_save_step)
+        self._due = (step, durable, fast)
+        return durable or fast
 
     def _notice(self) -> str | None:
         """This rank's preemption notice: a signal's name, ``"job end time"``, or set by the program."""
@@ -278,20 +300,30 @@ class CheckpointManager:
         ranked = {"rng": rng_state() if self.config.save_rng_state else None,
                   "state": to_tree(per_rank) if per_rank is not None else None}
         plain, participants = self._participants.split(state)
-        described = describe_participants(participants)
         tree = to_tree(plain)
         check_tensors_match(tree, self.groups)
+        durable, fast = self._tiers_due(step, participants)
+        fields = {"epoch": epoch, "metadata": {**describe_participants(participants), **(metadata or {})}}
+        fast_save, tier_write = None, None
+        if fast and self.fast is not None:
+            self.fast.check_room(tree)
+            fast_save = self.fast.started(step, 0.0)
+            tier_write = self.fast.writer(fast_save, fields, writers=self.config.writers)
         stats = self.engine.save(step, tree, per_rank=ranked, files=lambda: stage_participants(participants),
-                                 manifest_fields={"epoch": epoch, "metadata": {**described, **(metadata or {})}},
-                                 listener=self._events, called_at=called_at)
+                                 manifest_fields=fields, listener=self._events, called_at=called_at, durable=durable,
+                                 tier_write=tier_write)
         self.last_save = stats
-        self._last_save_time = time.monotonic()
+        if fast_save is not None:
+            fast_save.stall = stats.stall
+        if durable:
+            self._last_durable, self._last_save_time = stats, time.monotonic()
         if block or not self.config.async_save:
             self.wait()
         return stats
 
     def has_saved(self, step: int) -> bool:
-        """Whether ``step`` (or a later one) was saved by this run or resumed from: a final save would repeat it.
+        """Whether ``step`` (or a later one) was saved to the durable tier by this run or resumed from there: a final
+        save would repeat it. (A fast-tier save does not count: a clean end deletes the fast tier.)
 
         Example:
             >>> with CheckpointManager("memory://doc/has-saved", interval=2, announce=False) as m:
@@ -299,8 +331,9 @@ class CheckpointManager:
             ...     m.has_saved(2), m.has_saved(3)
             (True, False)
         """
-        last = self.last_save.step if self.last_save is not None else None
-        return any(s is not None and s >= step for s in (last, self.resumed_from))
+        last = self._last_durable.step if self._last_durable is not None else None
+        resumed = self.resumed_from if not (self.resumed_source or "").startswith("fast tier") else None
+        return any(s is not None and s >= step for s in (last, resumed))
 
     def save_final(self) -> SaveStats | None:
         """Save the last step :meth:`maybe_save` was given, with its state as it is now, unless it is saved
@@ -317,6 +350,19 @@ class CheckpointManager:
             return None
         step, state, options = self._offered
         return self.save(step, state, **options)
+
+    def _tiers_due(self, step: int, participants: Mapping[str, Any]) -> tuple[bool, bool]:
+        """``(durable, fast)``: the tiers a save of ``step`` writes: those :meth:`agree_to_save` agreed on for it,
+        else (a save of the caller's own) both. A state with files of its own (DeepSpeed) is durable only."""
+        due, self._due = self._due, None
+        durable, fast = (due[1], due[2]) if due is not None and due[0] == step else (True, self.fast is not None)
+        if fast and participants:  # its files are written by one rank for all: no rank's part stands alone
+            if self.rank == 0:
+                log.warning("the fast tier does not take state that writes files of its own (%s): from step %d on, "
+                            "this run saves to the durable tier only", ", ".join(participants), step)
+            self._fast_refused = True
+            return True, False
+        return durable or not fast, fast
 
     def check_continues_from(self, step: int, *, why: str | None = None) -> None:
         """Raise StateMismatchError now if a run at ``step`` (resumed from elsewhere, e.g. ``fit(ckpt_path=...)``)
@@ -352,10 +398,12 @@ class CheckpointManager:
             'checkpoints go to memory://doc/describe, a save every 50 steps'
             >>> m.close()
         """
+        fast = f"; {self.fast.describe()}: {describe_policy(self.fast.policy)}" if self.fast is not None else ""
         if self.resumed_from is None:
-            return f"checkpoints go to {self.storage.url}, {describe_policy(self.policy)}"
+            return f"checkpoints go to {self.storage.url}, {describe_policy(self.policy)}{fast}"
         where = f"resuming from step {self.resumed_from}" + (f" ({position})" if position else "")
-        return f"{where} of {self.storage.url}, {describe_policy(self.policy)} ({self.loaded})"
+        source = f" ({self.resumed_source})" if self.resumed_source and self.resumed_source.startswith("fast tier") else ""
+        return f"{where} of {self.storage.url}{source}, {describe_policy(self.policy)}{fast} ({self.loaded})"
 
     def _announce_start(self) -> None:
         if self._announced:
@@ -380,13 +428,12 @@ class CheckpointManager:
         self._check_open()
         t0 = time.perf_counter()
         self.engine.phase("resuming", -1)
-        found = resume_newest(
-            self.storage, self.groups, open_step=self.loader.open_step,
-            check=lambda step: check_for_resume(self.storage, step, rank=self.rank, world_size=self.groups.world_size,
-                                                signer=self.signer),
-            load=lambda opened: load_state(self.loader, opened, state, participants=self._participants,
-                                           per_rank=per_rank, check=check),
-            touches=lambda opened: opened.touches)
+        load = lambda loader, opened: load_state(loader, opened, state, participants=self._participants,  # noqa: E731
+                                                 per_rank=per_rank, check=check)
+        fast, touched = None, False
+        if self.fast is not None and not self._participants.split(state)[1]:
+            fast, touched = self.fast.resume(load, durable_newest=self._newest_committed)
+        found, source = (fast[:2], fast[2]) if fast is not None else self._resume_durable(load, touched)
         self._newest_committed = self.latest()
         if self.signer is not None and self.rank == 0:
             warn_if_rolled_back(self.storage, found[0].step if found else None)
@@ -401,13 +448,29 @@ class CheckpointManager:
             set_rng_state(self.resumed_rng)
         seconds = time.perf_counter() - t0
         self.resumed_from = self._events.last_committed = manifest.step
-        self.journal.record("resume", step=manifest.step, seconds=seconds, bytes=manifest.total_bytes)
+        self.resumed_source = source
+        tier = "fast" if source.startswith("fast tier") else "durable"
+        self.journal.record("resume", step=manifest.step, seconds=seconds, bytes=manifest.total_bytes, tier=tier,
+                            source=source)
         self.loaded = f"{human_bytes(manifest.total_bytes)} verified and loaded in {human_seconds(seconds)}"
         if self.rank == 0:
-            log.debug("resuming from step %d (%s): %s", manifest.step, self.storage.url_of(layout.step_dir(manifest.step)),
-                      self.loaded)
+            log.debug("resuming from step %d (%s): %s", manifest.step, source, self.loaded)
         self._announce_start()
         return manifest.step
+
+    def _resume_durable(self, load: Callable[[StepLoader, Any], Any], touched: bool) -> tuple[Any, str]:
+        """``(found, source)`` from the durable tier (see ``resume_newest``); ``touched``: a fast-tier step failed while
+        it was loaded into the state, so finding nothing here is an error, not a fresh start."""
+        found = resume_newest(
+            self.storage, self.groups, open_step=self.loader.open_step,
+            check=lambda step: check_for_resume(self.storage, step, rank=self.rank, world_size=self.groups.world_size,
+                                                signer=self.signer),
+            load=lambda opened: load(self.loader, opened), touches=lambda opened: opened.touches)
+        if found is None and touched:
+            raise CheckpointCorruptError(
+                "a fast-tier step failed while it was loaded into the state, which may now be partly overwritten, "
+                f"and {self.storage.url} has no step to load instead. HINT: start the job again: it will start fresh")
+        return found, self.storage.url_of(layout.step_dir(found[0].step)) if found is not None else self.storage.url
 
     def latest(self) -> int | None:
         """The newest step whose manifest parses (its data not verified; ``resume`` verifies)."""
@@ -449,6 +512,8 @@ class CheckpointManager:
                 self.lease.release()
         if clean:
             self.journal.record("clean_end", last_step=self.last_save.step if self.last_save else None)
+        if self.fast is not None:
+            self.fast.close(clean=clean)
 
     def _close_at_exit(self) -> None:
         """At interpreter exit, if the program did not close the manager (a loop without ``with`` or

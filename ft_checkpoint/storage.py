@@ -276,16 +276,19 @@ class Storage:
         storage_options: Passed to the fsspec filesystem (credentials, endpoint_url, ...).
         retries: Attempts for an operation that fails with a transient error (>= 1).
         backoff: Base of the exponential backoff in seconds (with full jitter, capped at 10 s).
+        fsync: On local disk, make writes durable (fsync) before they count as done. False for a tier that
+            must survive a process crash, not a machine's (the fast tier): the page cache keeps the bytes.
     """
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, retries: int = 5,
-                 backoff: float = 0.2) -> None:
+                 backoff: float = 0.2, fsync: bool = True) -> None:
         self.url = url.rstrip("/") if "://" in url else os.path.abspath(os.path.expanduser(url))
         self.storage_options = dict(storage_options or {})
         self.fs, self.root = make_filesystem(url, self.storage_options)
         self.root = self.root.rstrip("/") or "/"
         self.retries = retries
         self.backoff = backoff
+        self.fsync = fsync
         protocols = _protocols(self.fs)
         self.is_local = bool(protocols & _LOCAL_PROTOCOLS)
         self._stores_crc32c = bool(protocols & {"gs", "gcs"})  # GCS keeps a CRC-32C of every object
@@ -424,7 +427,8 @@ class Storage:
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
-                os.fsync(f.fileno())
+                if self.fsync:
+                    os.fsync(f.fileno())
             os.replace(tmp, final)
         finally:
             if os.path.exists(tmp):
@@ -447,7 +451,8 @@ class Storage:
         f = _open_direct(path) if direct else None
         with f or open(path, "wb", buffering=0) as f:
             yield f
-            os.fsync(f.fileno())
+            if self.fsync:
+                os.fsync(f.fileno())
 
     def write_views(self, rel: str, views: list[memoryview], *, lengths: list[int] | None = None,
                     direct: bool = False) -> list[int]:
@@ -527,7 +532,7 @@ class Storage:
 
     def sync_dir(self, rel: str) -> None:
         """Make the directory entries in ``rel`` durable (local disk; a no-op elsewhere)."""
-        if self.is_local:
+        if self.is_local and self.fsync:
             fd = os.open(self.path(rel), os.O_RDONLY)
             try:
                 os.fsync(fd)

@@ -171,7 +171,9 @@ class FaultTolerantCheckpoint(Checkpoint):
                  requeue: bool | None = None, end_time_margin: float | str | datetime.timedelta | None = None,
                  preemption_exit_code: int | None = None, writer: str | None = None, writer_priority: int | None = None,
                  writers: int | None = None, signing_key: str | None = None, signing_key_file: str | None = None,
-                 run_name: str | None = None, **misspelled: Any) -> None:
+                 run_name: str | None = None, fast_dirpath: str | None = None,
+                 fast_interval: int | datetime.timedelta | str | None = None, fast_replicas: int | None = None,
+                 node_id: str | None = None, **misspelled: Any) -> None:
         super().__init__()
         check_names(misspelled)
         config = {k: v for k, v in given(locals()).items() if k != "dirpath"}
@@ -400,7 +402,8 @@ class FaultTolerantCheckpoint(Checkpoint):
         self.stalls.append(time.perf_counter() - t0)
         assert self.manager.last_save is not None
         self.saves.append(self.manager.last_save)
-        self._unreported.append(self.manager.last_save)
+        if self.manager.last_save.durable:  # a fast-tier save reports no time to durable
+            self._unreported.append(self.manager.last_save)
         self._log(trainer, {k: v for k, v in self.manager.metrics().items() if k not in ("durable_s", "bytes")})
 
     def _report_commits(self, trainer: pl.Trainer) -> None:

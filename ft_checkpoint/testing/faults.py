@@ -5,7 +5,9 @@ this process only), point a checkpoint directory at ``faulty:///some/local/path`
 storage options. Every storage call (opening a file to read or write it, a
 listing, a delete) may fail with a ``ConnectionResetError`` (a transient error, retried by the
 storage layer) at ``transient_rate``, sleep ``latency`` seconds at ``latency_rate``, or, with
-``outage=True``, always fail with ``ConnectionRefusedError``.
+``outage=True``, always fail with ``ConnectionRefusedError``. ``refuse_reads`` (``fnmatch`` patterns of file
+names) makes every read of a matching file fail with ``PermissionError``: a test that a resume took its data
+from elsewhere (the fast tier) asserts it so.
 
 Example:
     >>> from ft_checkpoint.storage import Storage
@@ -17,6 +19,8 @@ Example:
 
 from __future__ import annotations
 
+import fnmatch
+import posixpath
 import random
 import threading
 import time
@@ -33,9 +37,10 @@ class FaultyFileSystem(LocalFileSystem):
     root_marker = "/"
 
     def __init__(self, transient_rate: float = 0.0, latency: float = 0.0, latency_rate: float = 0.0,
-                 outage: bool = False, seed: int | None = None, **kwargs: Any) -> None:
+                 outage: bool = False, seed: int | None = None, refuse_reads: list[str] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.transient_rate, self.latency, self.latency_rate, self.outage = transient_rate, latency, latency_rate, outage
+        self.refuse_reads = list(refuse_reads or [])
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self.injected = 0
@@ -61,6 +66,9 @@ class FaultyFileSystem(LocalFileSystem):
 
     def _open(self, path: Any, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
         self._fault(f"open {path}")
+        name = posixpath.basename(str(path))
+        if "r" in mode and any(fnmatch.fnmatchcase(name, pattern) for pattern in self.refuse_reads):
+            raise PermissionError(f"refused by the test (refuse_reads): reading {path}")
         return super()._open(path, mode, *args, **kwargs)
 
     def pipe_file(self, path: Any, value: bytes, *args: Any, **kwargs: Any) -> None:

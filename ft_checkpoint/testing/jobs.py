@@ -26,9 +26,10 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from typing import Any
 
-from ft_checkpoint.testing.servers import free_port
+from ft_checkpoint.testing.servers import _wait_for_port, free_port
 
 LAUNCHERS = ("python", "torchrun", "accelerate")
 
@@ -144,6 +145,42 @@ def start(script: str, *args: Any, launcher: str = "python", nproc: int = 1, res
     ``stderr=subprocess.STDOUT`` merges its errors into that pipe."""
     cmd = command(script, *args, launcher=launcher, nproc=nproc, restarts=restarts, launcher_args=launcher_args)
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=job_env(env))
+
+
+def run_nodes(script: str, *args: Any, out: Any, nodes: list[dict[str, str]], nproc: int = 2, restarts: int = 0,
+              timeout: float = 600) -> Finished:
+    """Run a job of ``len(nodes)`` "nodes" on this machine: one torchrun agent per node, each with ``nproc`` ranks,
+    all on one c10d rendezvous (its run id names the job: ``TORCHELASTIC_RUN_ID``); agent ``i`` runs with the
+    environment ``nodes[i]`` added (its own fast-tier folder, its name). The first agent starts first and hosts
+    the rendezvous, so that losing another agent leaves it in place. The result's exit code is the worst of the
+    agents', its output theirs, each line prefixed with ``[node i]``.
+
+    Example:
+        >>> run_nodes("train.py", out="/tmp/o", nodes=[{}, {}], timeout=0.1)  # doctest: +SKIP
+    """
+    out = str(out)
+    offsets = {path: os.path.getsize(path) for path in _report_files(out)}
+    port, run_id = free_port(), f"job-{uuid.uuid4().hex[:8]}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(nodes)), "--nproc-per-node", str(nproc),
+           "--max-restarts", str(restarts), "--monitor-interval", "0.2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+           f"127.0.0.1:{port}", "--rdzv-id", run_id, script, *map(str, args)]
+    agents: list[subprocess.Popen] = []
+    try:
+        for extra in nodes:
+            agents.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                           env=job_env(extra)))
+            if len(agents) == 1:
+                _wait_for_port(port, agents[0], timeout=120)
+        outputs = [agent.communicate(timeout=timeout) for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
+    label = lambda i, text: "".join(f"[node {i}] {line}\n" for line in text.splitlines())  # noqa: E731
+    codes = [agent.returncode for agent in agents]
+    return Finished(cmd, max(codes, key=abs), "".join(label(i, o) for i, (o, _) in enumerate(outputs)),
+                    "".join(label(i, e) for i, (_, e) in enumerate(outputs)), out, offsets)
 
 
 def _report_files(out: str | None) -> list[str]:

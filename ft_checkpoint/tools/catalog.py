@@ -141,6 +141,34 @@ def checkpoint_dirs_below(storage: Storage, limit: int = 5) -> list[str]:
     return found
 
 
+# -- the fast tier -------------------------------------------------------------------------------
+def fast_tier_steps(url: str, fast_dirpath: str) -> dict[int, dict[str, Any]]:
+    """What a node's fast tier (``fast_dirpath``) holds of the runs whose durable dirpath is ``url``: by step, the
+    ranks whose parts check (manifest and sizes), their bytes, whether the step is marked committed, and the
+    folders (each a checkpoint directory that ``inspect`` shows).
+
+    Example:
+        >>> fast_tier_steps("memory://doc/none", "/nonexistent")
+        {}
+    """
+    from ft_checkpoint.tiers.folder import runs_in
+    from ft_checkpoint.tiers.sources import inventory
+
+    out: dict[int, dict[str, Any]] = {}
+    for folder in runs_in(fast_dirpath):
+        owner = folder.owner()
+        if owner is None or owner.get("durable") != url:
+            continue
+        held = inventory(folder, node="")
+        for step, ranks in sorted(held.steps.items()):
+            entry = out.setdefault(step, {"ranks": [], "bytes": 0, "committed": False, "folders": []})
+            entry["ranks"] = sorted(set(entry["ranks"]) | set(ranks))
+            entry["bytes"] += sum(layout.read_manifest(folder.storage(r), step).total_bytes for r in ranks)
+            entry["committed"] = entry["committed"] or any(m.step == step for m in held.marks.values())
+            entry["folders"] += [folder.storage(r).url for r in ranks]
+    return out
+
+
 # -- verify ------------------------------------------------------------------------------------
 def select_steps(listing: Listing, *, step: int | None = None, all_steps: bool = False) -> list[int]:
     """What ``verify`` checks: ``step``; with ``all_steps`` every step but partial ones (quarantined ones

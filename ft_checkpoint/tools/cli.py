@@ -2,7 +2,7 @@
 
     ft-checkpoint plan --mtbf 6h --cost 5m [--restart 2m] [--json] [--plot waste.png]
     ft-checkpoint simulate [--mtbf 15m,1h,6h,1d,1w] [--cost 1s,10s,1m,10m] [--weibull 0.7] [--json]
-    ft-checkpoint ls DIR [--json] [--key-file PATH] [--run-name NAME]
+    ft-checkpoint ls DIR [--fast FAST_DIRPATH] [--json] [--key-file PATH] [--run-name NAME]
     ft-checkpoint verify DIR [--step N | --all] [--json] [--key-file PATH] [--run-name NAME]
     ft-checkpoint inspect DIR [--step N] [--json] [--key-file PATH] [--run-name NAME]
     ft-checkpoint gc DIR --keep N [--keep-every M] [--dry-run] [--json] [--key-file PATH] [--run-name NAME]
@@ -295,11 +295,12 @@ def emit(args: argparse.Namespace, data: Any, lines: list[str]) -> None:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from ft_checkpoint.tools.catalog import UNVERIFIED, list_checkpoints
+    from ft_checkpoint.tools.catalog import UNVERIFIED, fast_tier_steps, list_checkpoints
 
     storage = open_storage(args.dir)
     signer = open_signer(args, storage)
     listing = list_checkpoints(storage, signer=signer)
+    fast = fast_tier_steps(listing.url, args.fast) if args.fast else {}
     newest = listing.resume_step
     signed = " with a signature that verifies" if signer is not None else ""
     pick = f"newest committed{signed}: step {newest} (a resume tries it first)" if newest is not None else \
@@ -307,20 +308,33 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if listing.resume_step is None and any(i.status == UNVERIFIED for i in listing.steps):
         pick = "no step verifies with the key: a resume would stop with an error (the key or run name may be wrong)"
     lines = [f"{listing.url}: {plural(len(listing.steps), 'step directory', 'step directories')}; {pick}"]
-    if not listing.steps:
+    if not listing.steps and not fast:
         from ft_checkpoint.tools.catalog import checkpoint_dirs_below
 
         lines += [f"HINT: checkpoints are in {url}: 'ft-checkpoint ls {url}'" for url in checkpoint_dirs_below(storage)]
-    rows = [[str(i.step), i.status, utc(i.time), human_bytes(i.bytes), str(i.files),
-             "-" if i.world_size is None else str(i.world_size),
-             "<- newest committed" if i.step == newest else i.reason or ""] for i in listing.steps]
+    rows = {i.step: [str(i.step), i.status, utc(i.time), human_bytes(i.bytes), str(i.files),
+                     "-" if i.world_size is None else str(i.world_size), "durable",
+                     "<- newest committed" if i.step == newest else i.reason or ""] for i in listing.steps}
+    for step, held in fast.items():
+        what = f"fast ({plural(len(held['ranks']), 'rank')} here{'' if held['committed'] else ', not committed'})"
+        if step in rows and rows[step][1] == "committed":
+            rows[step][6] = f"durable, {what}"
+        else:
+            rows[step] = [str(step), "committed" if held["committed"] else "partial", "-", human_bytes(held["bytes"]),
+                          "-", "-", what, ""]
     if rows:
-        lines += table(["step", "status", "saved (UTC)", "size", "files", "world", ""], rows, "><<>>><")
+        header = ["step", "status", "saved (UTC)", "size", "files", "world", "tiers", ""]
+        table_rows = [rows[s] if args.fast else rows[s][:6] + rows[s][7:] for s in sorted(rows)]
+        lines += table(header if args.fast else header[:6] + header[7:], table_rows, "><<>>><<" if args.fast else "><<>>><")
+    if fast:
+        top = max(fast)
+        lines.append(f"this node's fast tier ({args.fast}) holds step {top}, which a resume takes if every rank's "
+                     f"part is on some node: 'ft-checkpoint inspect {fast[top]['folders'][0]} --step {top}' shows one")
     if newest is not None:
         checked = "sizes and signatures" if signer is not None else "sizes"
         lines.append(f"({checked} checked, not checksums: a resume loads step {newest} only if its checksums match, "
                      f"else it falls back to the previous step; 'ft-checkpoint verify {args.dir or listing.url}' checks them)")
-    emit(args, listing.to_dict(), lines)
+    emit(args, {**listing.to_dict(), "fast": {str(k): v for k, v in fast.items()}}, lines)
     return 0
 
 
@@ -383,6 +397,10 @@ def _inspect_lines(info: dict[str, Any]) -> list[str]:
     lines = [f"step {info['step']} of {info['url']}: saved {utc(m['time'])}, world size {m['world_size']}, "
              f"epoch {m['epoch']}, format {m['format_version']}",
              "versions: " + ", ".join(f"{k} {v}" for k, v in sorted(m["versions"].items())), _signature_line(info)]
+    fast = m["metadata"].get("fast_tier") if isinstance(m["metadata"], dict) else None
+    if isinstance(fast, dict):
+        lines.append(f"fast tier: rank {fast.get('rank')}'s part of a step of {fast.get('world_size')} ranks, on node "
+                     f"{fast.get('node')} (its local state only: what this rank loads at a resume)")
     if m["metadata"]:
         lines.append(f"metadata: {json.dumps(m['metadata'])}")
     lines += _deepspeed_lines(m["metadata"])
@@ -578,8 +596,10 @@ def _add_directory_commands(sub: Any) -> None:
         p.add_argument("--run-name", metavar="NAME", help="the run identity signatures bind (default: "
                        "FT_CHECKPOINT_RUN_NAME, else the directory's URL)")
 
-    add_signing(add("ls", cmd_ls, "list the steps: status, time, size, files, world size, and the step a resume "
-                    "would pick"))
+    ls = add("ls", cmd_ls, "list the steps: status, time, size, files, world size, and the step a resume would pick")
+    add_signing(ls)
+    ls.add_argument("--fast", metavar="FAST_DIRPATH",
+                    help="also list what this node's fast tier (the run's fast_dirpath) holds, and which tiers hold each step")
     verify = add("verify", cmd_verify, "check sizes and checksums; exit code 0 only if everything checked is intact")
     add_signing(verify)
     which = verify.add_mutually_exclusive_group()

@@ -115,3 +115,16 @@ def test_s3_configured_only_through_env_vars(tmp_path, reference, s3_server):
     steps = [p for p in fs.ls(f"{bucket}/run") if os.path.basename(p).startswith("step_")]
     assert steps and all(fs.exists(f"{p}/manifest.json") for p in steps), steps
     assert_bit_identical(final(out), reference("--interval", INTERVAL))
+
+
+def test_a_crash_resumes_from_the_fast_tier_without_the_durable_tier_bit_identical(tmp_path, reference):
+    """Fast tier every step, durable every 3rd, whose step data refuses to be read: the resume is the fast tier's."""
+    fast = tmp_path / "fast"
+    env = {"FT_CHECKPOINT_FAST_DIRPATH": str(fast), "FT_CHECKPOINT_FAST_INTERVAL": "1",
+           "FT_CHECKPOINT_STORAGE_OPTIONS": json.dumps({"refuse_reads": ["*.distcp", "rank_*.pt", "metadata.json"]})}
+    attempts = run_until_done(str(tmp_path / "out"), f"faulty://{tmp_path}/ckpt", [20], env=env)
+    start = attempts[-1].where(event="start")[-1]
+    assert start["resumed_from"] in (18, 19) and start["source"] == "fast tier, own node", start
+    assert_skipped_not_loaded(attempts[-1])
+    assert_bit_identical(final(str(tmp_path / "out")), reference("--interval", INTERVAL))
+    assert os.listdir(fast) == [], "a clean end cleans the run's fast tier"

@@ -90,7 +90,8 @@ def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict
 def train(args: argparse.Namespace, acc: Accelerator, ft: FaultTolerantCheckpoint, model, opt, sched, loader,
           record: dict) -> None:
     """The training loop: ``accelerator.accumulate`` (``--ga``), or manual accumulation (``--manual-accum``)."""
-    report(args.out, event="start", resumed_from=ft.resumed_from, epoch=ft.epoch, batches_done=ft.batches_done)
+    report(args.out, event="start", resumed_from=ft.resumed_from, epoch=ft.epoch, batches_done=ft.batches_done,
+           source=ft.manager.resumed_source)
     for _ in ft.epochs(args.epochs):
         for step, (x, y, index) in ft.enumerate(loader):
             if should_kill(args, acc, ft.epoch * len(loader) + ft.batches_done):

@@ -92,3 +92,18 @@ def test_sigterm_with_save_on_exception_saves_that_step(job, tmp_path, single_re
     assert [r["resumed_from"] for r in read_runs(out)] == [None, 10]
     assert_same(torch.load(single_reference, weights_only=False),
                 torch.load(os.path.join(out, "final.pt"), weights_only=False))
+
+
+def test_a_crash_resumes_from_the_fast_tier_without_the_durable_tier_bit_exact(job, tmp_path, single_reference):
+    """The fast tier (a folder of this "node") holds every step; the durable tier every 4th, and refuses to be read.
+    (A kill at step 6 comes before that step's save: step 5 is the newest.)"""
+    ckpt, out, fast = f"faulty://{tmp_path}/ckpt", str(tmp_path / "out"), tmp_path / "fast"
+    args = ("--interval", 4, "--storage-options", json.dumps({"refuse_reads": ["*.distcp", "rank_*.pt", "metadata.json"]}))
+    env = {"FT_CHECKPOINT_FAST_DIRPATH": str(fast), "FT_CHECKPOINT_FAST_INTERVAL": "1"}
+    job.run(ckpt, out, *args, "--kill-at", 6, "--kill-after-commit", killed=True, env=env)
+    job.run(ckpt, out, *args, env=env)
+    last = read_runs(out)[-1]
+    assert (last["resumed_from"], last["source"]) == (5, "fast tier, own node")
+    assert_same(torch.load(single_reference, weights_only=False),
+                torch.load(os.path.join(out, "final.pt"), weights_only=False))
+    assert os.listdir(fast) == [], "a clean end cleans the run's fast tier"

@@ -50,7 +50,8 @@ class Record(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         line = {"rank": trainer.global_rank, "global_step": trainer.global_step,
-                "resumed_from": self.ft.resumed_from if self.ft else None}
+                "resumed_from": self.ft.resumed_from if self.ft else None,
+                "source": self.ft.manager.resumed_source if self.ft and self.ft.manager else None}
         with open(os.path.join(self.out, "runs.jsonl"), "a") as f:
             f.write(json.dumps(line) + "\n")
 

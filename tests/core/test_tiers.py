@@ -1,0 +1,252 @@
+"""The fast tier on one node (one process): saves, resume from the fastest source, fallbacks, room, hygiene.
+
+The multi-node behaviour (peer copies, a replaced node, a node killed during a transfer) is in
+``tests/core/test_tiers_nodes.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ft_checkpoint import CheckpointManager, layout
+from ft_checkpoint.config import CheckpointConfig
+from ft_checkpoint.errors import CheckpointCorruptError, ConfigError
+from ft_checkpoint.journal import read_journal
+from ft_checkpoint.lease import job_id
+from ft_checkpoint.storage import Storage
+from ft_checkpoint.tiers.folder import FastFolder, run_key, runs_in
+from ft_checkpoint.tiers.transfer import Incoming, Outgoing
+from ft_checkpoint.tiers.write import write_rank_step
+from tests.helpers.toy import assert_same, flat, make, train_step
+
+DATA_FILES = ["*.distcp", "rank_*.pt", "metadata.json"]
+"""The durable tier's step data: reading any of it fails (``faulty://``'s ``refuse_reads``)."""
+
+
+def snapshot(state: dict) -> dict:
+    """A copy of every leaf of the state as it is now (tensors cloned)."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in flat(state).items()}
+
+
+def run(url: str, fast: str, steps: int, *, interval: int = 4, fast_interval: int = 1, keep: tuple[int, ...] = (),
+        **config) -> tuple[dict, dict[int, dict]]:
+    """Train ``steps`` steps saving on both tiers, then stop without a clean end (as a crash would); the state
+    at the end, and snapshots at the steps in ``keep``."""
+    state, kept = make(seed=0), {}
+    ckpt = CheckpointManager(url, interval=interval, fast_dirpath=fast, fast_interval=fast_interval, **config)
+    for step in range(1, steps + 1):
+        train_step(state)
+        ckpt.maybe_save(step, state)
+        if step in keep:
+            kept[step] = snapshot(state)
+    ckpt.wait()
+    ckpt.close(clean=False)
+    return state, kept
+
+
+def resumes(url: str, fast: str, **config) -> tuple[int | None, dict, CheckpointManager]:
+    state = make(seed=1)
+    ckpt = CheckpointManager(url, interval=4, fast_dirpath=fast, fast_interval=1, **config)
+    return ckpt.resume(state), state, ckpt
+
+
+def resume_events(url: str, **options) -> list[dict]:
+    return [e for e in read_journal(Storage(url, options)) if e["event"] == "resume"]
+
+
+def test_a_crash_resumes_from_the_fast_tier_without_reading_the_durable_tier(tmp_path):
+    url, fast, refuse = f"faulty://{tmp_path}/ckpt", str(tmp_path / "fast"), {"refuse_reads": DATA_FILES}
+    state, _ = run(url, fast, 6, storage_options=refuse)
+    expected, rand = snapshot(state), torch.rand(4)
+    step, resumed, ckpt = resumes(url, fast, storage_options=refuse)
+    assert step == 6, "the fast tier's step 6 is newer than the durable tier's step 4"
+    assert_same(flat(resumed), expected)
+    assert torch.equal(torch.rand(4), rand), "each rank's RNG comes back from its fast-tier part"
+    event = resume_events(url, **refuse)[-1]
+    assert (event["tier"], event["source"]) == ("fast", "fast tier, own node")
+    ckpt.close()
+
+
+def test_a_flipped_byte_in_the_fast_tier_falls_back_to_the_durable_tier_and_sets_the_part_aside(tmp_path, caplog):
+    url, fast = str(tmp_path / "ckpt"), str(tmp_path / "fast")
+    _, kept = run(url, fast, 6, keep=(4,))
+    folder = runs_in(fast)[0]
+    shard = os.path.join(folder.storage(0).path(layout.step_dir(6)), "__0_0.distcp")
+    with open(shard, "r+b") as f:  # one flipped bit of a tensor (fast-tier files are not padded)
+        f.seek(100)
+        byte = f.read(1)[0]
+        f.seek(100)
+        f.write(bytes([byte ^ 0x01]))
+    with caplog.at_level(logging.WARNING, logger="ft_checkpoint"):
+        step, resumed, ckpt = resumes(url, fast)
+    assert step == 4
+    assert_same(flat(resumed), kept[4])
+    assert "fast-tier step 6 (own node) is not used" in caplog.text and "do not match their checksum" in caplog.text
+    assert layout.list_steps(folder.storage(0)) == {}, "the corrupt part is deleted: no later start tries it again"
+    assert resume_events(url)[-1]["tier"] == "durable"
+    ckpt.close()
+
+
+def test_a_durable_step_newer_than_the_fast_tier_wins(tmp_path):
+    url, fast = str(tmp_path / "ckpt"), str(tmp_path / "fast")
+    _, kept = run(url, fast, 7, interval=3, fast_interval=4, keep=(6,))
+    step, resumed, ckpt = resumes(url, fast)
+    assert step == 6
+    assert_same(flat(resumed), kept[6])
+    assert resume_events(url)[-1]["tier"] == "durable"
+    ckpt.close()
+
+
+def test_a_step_due_on_both_tiers_is_staged_once_and_committed_in_both(tmp_path):
+    url, fast = str(tmp_path / "ckpt"), str(tmp_path / "fast")
+    phases: list[tuple[str, int]] = []
+    state = make(seed=0)
+    with CheckpointManager(url, interval=2, fast_dirpath=fast, fast_interval=1) as ckpt:
+        ckpt.engine.phase_hook = lambda phase, step: phases.append((phase, step))
+        for step in (1, 2):
+            train_step(state)
+            ckpt.maybe_save(step, state)
+        ckpt.wait()
+        assert [p for p in phases if p[0] == "staging"] == [("staging", 1), ("staging", 2)]
+        assert ckpt.latest() == 2 and ckpt.fast is not None and ckpt.fast.committed == 2
+        assert ckpt.last_save is not None and ckpt.last_save.durable
+
+
+def test_retention_keeps_the_committed_step_and_the_one_being_written_only(tmp_path):
+    url, fast = str(tmp_path / "ckpt"), str(tmp_path / "fast")
+    run(url, fast, 5, interval=100)
+    assert list(layout.list_steps(runs_in(fast)[0].storage(0))) == [5]
+
+
+def test_a_clean_end_deletes_the_runs_fast_tier(tmp_path):
+    fast = str(tmp_path / "fast")
+    state = make(seed=0)
+    with CheckpointManager(str(tmp_path / "ckpt"), interval=100, fast_dirpath=fast, fast_interval=1) as ckpt:
+        train_step(state)
+        ckpt.maybe_save(1, state)
+        ckpt.wait()
+        assert len(runs_in(fast)) == 1
+    assert os.listdir(fast) == []
+
+
+def test_another_runs_files_are_never_used_and_are_removed_once_its_processes_are_gone(tmp_path, monkeypatch):
+    url, fast = str(tmp_path / "ckpt"), str(tmp_path / "fast")
+    monkeypatch.setenv("FT_CHECKPOINT_RUN_ID", "first-job")
+    run(url, fast, 3, interval=100)
+    first = FastFolder(fast, run_key(os.path.abspath(url), job_id()))
+    assert first.committed(0) is not None
+    monkeypatch.setenv("FT_CHECKPOINT_RUN_ID", "second-job")
+    step, _, ckpt = resumes(url, fast)
+    assert step is None, "another run's fast-tier step is never loaded"
+    assert os.path.isdir(first.root), "its owner (this process) is alive: left alone"
+    ckpt.close()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    first.write_owner(os.path.abspath(url), [int(gone.stdout)])  # as if written by a process that has exited
+    _, _, ckpt = resumes(url, fast)
+    assert not os.path.exists(first.root)
+    ckpt.close()
+
+
+def test_another_world_size_falls_back_to_the_durable_tier_saying_why(tmp_path, caplog):
+    url, fast = str(tmp_path / "ckpt"), str(tmp_path / "fast")
+    _, kept = run(url, fast, 6, keep=(4,))
+    folder = runs_in(fast)[0]
+    mark = folder.committed(0)
+    assert mark is not None
+    folder.commit(0, step=6, world_size=2, save=mark.save)  # what a job of 2 ranks writes there
+    with caplog.at_level(logging.WARNING, logger="ft_checkpoint"):
+        step, resumed, ckpt = resumes(url, fast)
+    assert step == 4
+    assert_same(flat(resumed), kept[4])
+    assert "fast-tier step 6 was saved by 2 ranks and this job has 1" in caplog.text
+    ckpt.close()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 1 MiB tmpfs, as a container's small /dev/shm (needs root; skipped otherwise)."""
+    where = tmp_path / "shm"
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    yield str(where)
+    subprocess.run(["umount", str(where)], check=True)
+
+
+def test_a_fast_tier_too_small_fails_at_the_first_save_with_free_and_needed_bytes(tmp_path, small_tmpfs):
+    state = make(seed=0, width=4096)
+    with CheckpointManager(str(tmp_path / "ckpt"), interval=100, fast_dirpath=small_tmpfs, fast_interval=1) as ckpt:
+        train_step(state)
+        with pytest.raises(ConfigError, match=r"has 1.0\d MB free, and needs 4.\d+ MB .*HINT: give it more room"):
+            ckpt.maybe_save(1, state)
+        assert ckpt.fast is not None and layout.list_steps(ckpt.fast.folder.storage(0)) == {}
+
+
+def test_a_copy_whose_bytes_do_not_match_the_senders_manifest_is_refused_and_left_nowhere(tmp_path):
+    sender, receiver = Storage(str(tmp_path / "a"), fsync=False), Storage(str(tmp_path / "b"), fsync=False)
+    write_rank_step(sender, 7, {"w": torch.arange(1000.0)}, b"rank file", rank=0, world_size=1, save="a1b2")
+    path = sender.path(f"{layout.step_dir(7)}/__0_0.distcp")
+    data = bytearray(open(path, "rb").read())
+    data[10] ^= 0x01
+    open(path, "wb").write(data)  # damaged after its manifest was written: the sender does not know
+    stream = Outgoing(sender, 7)
+    copy_ = Incoming(receiver, 7, stream.header, sender="rank 0")
+    chunk = bytearray(stream.total)
+    stream.fill(memoryview(chunk))
+    copy_.drain(memoryview(chunk))
+    with pytest.raises(CheckpointCorruptError, match="do not match the sender's checksum"):
+        copy_.finish()
+    assert layout.list_steps(receiver) == {}
+
+
+def test_fast_tier_settings_come_from_the_environment_and_are_checked(monkeypatch):
+    monkeypatch.setenv("FT_CHECKPOINT_FAST_DIRPATH", "/dev/shm/ft")
+    monkeypatch.setenv("FT_CHECKPOINT_FAST_INTERVAL", "50")
+    monkeypatch.setenv("FT_CHECKPOINT_FAST_REPLICAS", "0")
+    monkeypatch.setenv("FT_CHECKPOINT_NODE_ID", "rack3-node7")
+    c = CheckpointConfig.from_env(dirpath="gs://b/run")
+    assert (c.fast_dirpath, c.fast_interval, c.fast_replicas, c.node_id) == ("/dev/shm/ft", 50, 0, "rack3-node7")
+    with pytest.raises(ConfigError, match="fast_dirpath='gs://b/fast' is invalid: expected a node-local path"):
+        CheckpointConfig(dirpath="gs://b/run", fast_dirpath="gs://b/fast")
+    with pytest.raises(ConfigError, match="fast_replicas=2 is invalid"):
+        CheckpointConfig(dirpath="gs://b/run", fast_replicas=2)
+
+
+def test_ls_shows_which_tiers_hold_each_step_and_inspect_shows_a_fast_tier_part(tmp_path, capsys):
+    from ft_checkpoint.tools.cli import main
+
+    url, fast = str(tmp_path / "ckpt"), str(tmp_path / "fast")
+    run(url, fast, 5)  # durable step 4, fast step 5 (4 was deleted from the fast tier when 5 committed)
+    assert main(["ls", url, "--fast", fast]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.split()[:1] in (["4"], ["5"])}
+    assert "durable" in rows["4"] and "fast" not in rows["4"]
+    assert "committed" in rows["5"] and "fast (1 rank here)" in rows["5"]
+    assert main(["ls", url, "--fast", fast, "--json"]) == 0
+    held = json.loads(capsys.readouterr().out)["fast"]["5"]
+    assert held["ranks"] == [0] and held["committed"] and held["bytes"] > 0
+    assert main(["inspect", held["folders"][0], "--step", "5"]) == 0
+    assert "fast tier: rank 0's part of a step of 1 ranks" in capsys.readouterr().out
+
+
+def test_a_resume_never_mixes_the_parts_of_two_saves_of_the_same_step():
+    """Step 10 committed by save s1; after a resume from an older step, save s2 rewrote rank 0's part of step 10 on
+    node a and crashed before its commit. Rank 0 must take s1's copy from node b, never s2's part."""
+    from ft_checkpoint.tiers.folder import Mark
+    from ft_checkpoint.tiers.node import Ring
+    from ft_checkpoint.tiers.sources import Holding, plan_steps
+
+    ring = Ring(("a", "b"))
+    a = Holding("a", marks={0: Mark(10, 2, "s1")}, steps={10: {0: "s2", 1: "s1"}})
+    b = Holding("b", marks={1: Mark(10, 2, "s1")}, steps={10: {0: "s1", 1: "s1"}})
+    plan = plan_steps([a, b], ring)[0]
+    assert (plan.step, plan.save, plan.holders) == (10, "s1", (1, 1)), "rank 0's part comes from node b's copy"
+    b_lost = Holding("b", marks={}, steps={})
+    assert plan_steps([a, b_lost], ring) == [], "no complete s1 without node b: the durable tier, not a mixture"
