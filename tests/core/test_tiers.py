@@ -251,3 +251,19 @@ def test_a_resume_never_mixes_the_parts_of_two_saves_of_the_same_step():
     assert (plan.step, plan.save, plan.holders) == (10, "s1", (1, 1)), "rank 0's part comes from node b's copy"
     b_lost = Holding("b", marks={}, steps={})
     assert plan_steps([a, b_lost], ring) == [], "no complete s1 without node b: the durable tier, not a mixture"
+
+
+def test_a_clean_end_saves_its_last_step_to_the_durable_tier_even_when_the_fast_tier_has_it(tmp_path):
+    """A final save is skipped only for a step the durable tier has: the fast tier had step 3 (saved every step),
+    and a clean end deletes the fast tier, so skipping it there would have left the finished run at step 0."""
+    url, fast = str(tmp_path / "ckpt"), str(tmp_path / "shm")
+    state = make(seed=0)
+    with CheckpointManager(url, interval=100, fast_dirpath=fast, fast_interval=1) as ckpt:
+        for step in range(1, 4):
+            train_step(state)
+            ckpt.maybe_save(step, state)
+    assert layout.committed_steps(Storage(url)) == [3]
+    resumed = make(seed=1)
+    with CheckpointManager(url, interval=100, fast_dirpath=fast, fast_interval=1) as ckpt:
+        assert ckpt.resume(resumed) == 3 and not ckpt.resumed_source.startswith("fast tier")
+    assert_same(flat(resumed), flat(state))
