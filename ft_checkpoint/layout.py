@@ -357,18 +357,13 @@ def _checksum_problem(storage: Storage, rel: str, entry: FileEntry, on_bytes: On
 
 
 # -- deleting and setting aside ----------------------------------------------------------------
-def delete_step(storage: Storage, step: int) -> None:
+def delete_step(storage: Storage, step: int) -> bool:
     """Delete one step directory: its manifest first (a crash halfway leaves garbage, never a broken
-    commit), then each file listed in it, by its literal name, then the empty directory. Nothing is
-    expanded as a pattern and no symbolic link is followed; a subdirectory (never ours) is left alone."""
-    rel = step_dir(step)
-    storage.delete_file(f"{rel}/{MANIFEST}")
-    for name, entry in storage.entries(rel).items():
-        if entry.kind == "directory":
-            log.warning("left %s in place: a step directory never holds directories of ours", storage.url_of(f"{rel}/{name}"))
-            continue
-        storage.delete_file(f"{rel}/{name}")
-    storage.delete_empty_dir(rel)
+    commit), then every other file its own listing holds, by its literal name, then the empty directory;
+    returns whether it is gone. Nothing is expanded as a pattern and no symbolic link is followed, even one
+    swapped in for the directory after it was listed (see ``Storage.delete_directory``); a subdirectory
+    (never ours) is left alone."""
+    return storage.delete_directory(step_dir(step), first=MANIFEST)
 
 
 def quarantine(storage: Storage, steps: Iterable[int]) -> None:

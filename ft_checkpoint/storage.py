@@ -30,6 +30,7 @@ import errno
 import logging
 import os
 import posixpath
+import stat
 import struct
 import uuid
 from collections.abc import Callable, Iterator
@@ -193,6 +194,38 @@ def _write_all(f: Any, view: memoryview) -> None:
         if n is None:  # a buffered fsspec file takes everything
             return
         view = view[n:]
+
+
+_NOFOLLOW_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+"""How a directory is opened for deleting inside it: never through a symbolic link."""
+
+
+@contextlib.contextmanager
+def _open_directory(root: str, rel: str) -> Iterator[int]:
+    """A descriptor of ``root/rel``: ``root`` as the user named it, each component of ``rel`` without following a link."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in filter(None, rel.split("/")):
+            inner = os.open(part, _NOFOLLOW_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _unlink_entry(directory: int, name: str, url: str) -> None:
+    """Unlink ``name`` inside the open ``directory`` (a link is removed itself); a directory is left, with a warning."""
+    try:
+        os.unlink(name, dir_fd=directory)
+    except FileNotFoundError:
+        pass
+    except IsADirectoryError:
+        log.warning("left %s in place: only files are deleted", url)
+    except PermissionError:  # EPERM: what some systems answer for unlinking a directory
+        if not stat.S_ISDIR(os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode):
+            raise
+        log.warning("left %s in place: only files are deleted", url)
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
@@ -508,6 +541,60 @@ class Storage:
             self._call("delete", rel, self.fs.rm_file, path)
         except StorageNotFoundError:
             pass
+
+    def delete_directory(self, rel: str, *, first: str | None = None) -> bool:
+        """Delete the directory ``rel``: the file ``first`` (if given) before the others, then every other name
+        its own listing holds, one by one, then the directory itself; a subdirectory is left in place (with a
+        warning), and so is ``rel``. Returns whether ``rel`` is gone.
+
+        Never through a symbolic link, even one swapped in after the caller listed ``rel``: on local disk the
+        directory is opened without following a link (a link or anything but a directory in its place is left
+        alone, with a warning), and each name is listed, unlinked and the directory removed relative to that
+        open directory, so a link inside it is removed itself, never its target.
+
+        Example:
+            >>> s = Storage("memory://doc/delete-dir")
+            >>> s.write_bytes("step/manifest.json", b"{}"); s.write_bytes("step/a.bin", b"1")
+            >>> s.delete_directory("step", first="manifest.json"), s.listdir("")
+            (True, [])
+        """
+        if self.is_local:
+            return self._call("delete", rel, self._delete_local_directory, rel, first)
+        names = sorted(self.entries(rel).items(), key=lambda item: item[0] != first)
+        for name, entry in names:
+            if entry.kind == "directory":
+                log.warning("left %s in place: only files are deleted", self.url_of(f"{rel}/{name}"))
+                continue
+            self.delete_file(f"{rel}/{name}")
+        self.delete_empty_dir(rel)
+        return not self.exists(rel)
+
+    def _delete_local_directory(self, rel: str, first: str | None) -> bool:
+        parent_rel, name = posixpath.split(rel)
+        with _open_directory(self.root, parent_rel) as parent:
+            try:
+                directory = os.open(name, _NOFOLLOW_DIRECTORY, dir_fd=parent)
+            except FileNotFoundError:
+                return True
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                log.warning("left %s in place: it is a symbolic link or not a directory (swapped in after it was "
+                            "listed?); nothing is deleted through it", self.url_of(rel))
+                return False
+            try:
+                for entry in sorted(os.listdir(directory), key=lambda n: n != first):
+                    _unlink_entry(directory, entry, self.url_of(f"{rel}/{entry}"))
+            finally:
+                os.close(directory)
+            try:
+                os.rmdir(name, dir_fd=parent)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.warning("left %s in place: %s", self.url_of(rel), e.strerror)
+                return False
+        return True
 
     def delete_empty_dir(self, rel: str) -> None:
         """Remove the directory ``rel`` if it is empty (object stores have no directories: nothing to do)."""

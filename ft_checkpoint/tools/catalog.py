@@ -270,7 +270,8 @@ def newest_verified(storage: Storage, candidates: Iterable[int], on_bytes: OnByt
     return None
 
 
-def apply_gc(storage: Storage, plan: GcPlan) -> None:
-    """Delete the steps of ``plan``, each manifest first (a crash halfway leaves garbage, not a bad commit)."""
-    for step in plan.delete:
-        layout.delete_step(storage, step)
+def apply_gc(storage: Storage, plan: GcPlan) -> list[int]:
+    """Delete the steps of ``plan``, each manifest first (a crash halfway leaves garbage, not a bad commit);
+    returns the steps deleted. A step directory swapped for a symbolic link since the plan is left alone,
+    and so is everything it points to (see ``layout.delete_step``)."""
+    return [step for step in plan.delete if layout.delete_step(storage, step)]

@@ -370,16 +370,16 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
     storage = open_storage(args.dir)
     plan = plan_gc(storage, keep_last=args.keep, keep_every_n_steps=args.keep_every)
-    if not args.dry_run:
-        apply_gc(storage, plan)
+    deleted = plan.delete if args.dry_run else apply_gc(storage, plan)  # a step swapped for a link is left alone
+    kept = sorted(set(plan.keep) | (set(plan.delete) - set(deleted)))
     verb = "would delete" if args.dry_run else "deleted"
     milestones = f" and every multiple of {args.keep_every}" if args.keep_every else ""
     protected = f"; never deletes step {plan.protected}, the newest that verifies" if plan.protected is not None \
         else "; no step verifies"
     lines = [f"{plan.url}: keep the newest {plural(args.keep, 'committed step')}{milestones}{protected}",
-             f"{verb}: {', '.join(f'step {s}' for s in plan.delete) or 'nothing'}",
-             f"{'keeps' if args.dry_run else 'kept'}: {', '.join(f'step {s}' for s in plan.keep) or 'nothing'}"]
-    emit(args, {**plan.to_dict(), "dry_run": args.dry_run}, lines)
+             f"{verb}: {', '.join(f'step {s}' for s in deleted) or 'nothing'}",
+             f"{'keeps' if args.dry_run else 'kept'}: {', '.join(f'step {s}' for s in kept) or 'nothing'}"]
+    emit(args, {**plan.to_dict(), "delete": deleted, "keep": kept, "dry_run": args.dry_run}, lines)
     return 0
 
 
