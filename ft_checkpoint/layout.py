@@ -50,6 +50,8 @@ JOURNAL_DIR = "journal"
 FORMAT_VERSION = 2
 """2: raw tensor bytes, ``metadata.json``, CRC-32C. 1: DCP's FileSystemWriter format, SHA-256 (still read)."""
 SKIPPED_SUFFIX = ".skipped"
+MAX_MANIFEST_BYTES = 64 << 20
+"""The largest ``manifest.json`` read (bytes): about 750,000 files at ~85 bytes per entry; a larger one is corrupt."""
 MAX_STEP = 10**12
 _STEP_RE = re.compile(r"step_([0-9]{12})", re.ASCII)
 _SAFE_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+", re.ASCII)
@@ -237,7 +239,7 @@ def read_manifest(storage: Storage, step: int) -> Manifest:
     """Read and parse the manifest of ``step``; CheckpointCorruptError if missing or invalid."""
     rel = f"{step_dir(step)}/{MANIFEST}"
     try:
-        data = storage.read_bytes(rel)
+        data = storage.read_control(rel, max_bytes=MAX_MANIFEST_BYTES)  # never a FIFO, a link, a huge file
     except StorageNotFoundError as e:
         raise CheckpointCorruptError("manifest.json is missing") from e
     manifest = Manifest.from_json(data, where=storage.url_of(rel))
@@ -367,11 +369,15 @@ def delete_step(storage: Storage, step: int) -> bool:
 
 
 def quarantine(storage: Storage, steps: Iterable[int]) -> None:
-    """Rename the manifests of ``steps`` to ``manifest.json.skipped``: they no longer count as commits."""
+    """Rename the manifests of ``steps`` to ``manifest.json.skipped``: they no longer count as commits. One that
+    is no small regular file (a FIFO, a link) is left as it is: it never counts as a commit anyway."""
     for step in steps:
         rel = f"{step_dir(step)}/{MANIFEST}"
         try:
-            storage.write_bytes(rel + SKIPPED_SUFFIX, storage.read_bytes(rel))
+            storage.write_bytes(rel + SKIPPED_SUFFIX, storage.read_control(rel, max_bytes=MAX_MANIFEST_BYTES))
         except StorageNotFoundError:
+            continue
+        except CheckpointCorruptError as e:
+            log.warning("left %s as it is: %s", storage.url_of(rel), e)
             continue
         storage.delete_file(rel)

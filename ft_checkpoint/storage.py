@@ -44,6 +44,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 from ft_checkpoint.buffer_pool import BufferPool
 from ft_checkpoint.checksum import combine_all, crc32c_of, crcs_while_writing
 from ft_checkpoint.errors import (
+    CheckpointCorruptError,
     ConfigError,
     FTCheckpointError,
     StorageError,
@@ -226,6 +227,47 @@ def _unlink_entry(directory: int, name: str, url: str) -> None:
         if not stat.S_ISDIR(os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode):
             raise
         log.warning("left %s in place: only files are deleted", url)
+
+
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def _read_regular_file(path: str, url: str, max_bytes: int) -> bytes:
+    """Up to ``max_bytes + 1`` bytes of ``path`` if it is a regular file (see :meth:`Storage.read_control`)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENXIO):  # a symbolic link; a socket
+            raise
+        fd = None
+        kind = "a symbolic link" if e.errno == errno.ELOOP else "a socket"
+    if fd is not None:
+        try:
+            info = os.fstat(fd)
+            mode = info.st_mode
+            if stat.S_ISREG(mode) and info.st_size > max_bytes:
+                raise _too_large(url, max_bytes)
+            if stat.S_ISREG(mode):
+                return _read_at_most(fd, max_bytes + 1)
+            kind = next((name for test, name in _FILE_KINDS if test(mode)), "a special file")
+        finally:
+            os.close(fd)
+    raise CheckpointCorruptError(f"{url} is {kind}, not a regular file: refusing to read it (nothing but the "
+                                 "files ft-checkpoint writes belongs there). HINT: remove it")
+
+
+def _read_at_most(fd: int, limit: int) -> bytes:
+    chunks, left = [], limit
+    while left and (chunk := os.read(fd, min(left, IO_SLICE))):
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(url: str, max_bytes: int) -> CheckpointCorruptError:
+    return CheckpointCorruptError(f"{url}: larger than the {max_bytes} bytes a file of its kind may have; refusing "
+                                  "to read it")
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
@@ -493,6 +535,30 @@ class Storage:
         """Read one whole object."""
         return self._call("read", rel, self.fs.cat_file, self.path(rel))
 
+    def read_control(self, rel: str, *, max_bytes: int) -> bytes:
+        """Read a small control file (a manifest, the lease, a journal event) that anyone who can write the
+        directory may have replaced: CheckpointCorruptError, at once, unless it is a regular file of at most
+        ``max_bytes``. On local disk it is opened without following a symbolic link and without waiting
+        (a FIFO never blocks), checked with ``fstat`` and read to at most ``max_bytes + 1`` bytes (neither
+        ``/dev/zero`` nor a sparse file of a terabyte is read whole); elsewhere one ranged read of as much.
+
+        Example:
+            >>> s = Storage("memory://doc/control")
+            >>> s.write_bytes("lease.json", b"x" * 100)
+            >>> try:
+            ...     s.read_control("lease.json", max_bytes=10)
+            ... except CheckpointCorruptError as e:
+            ...     print(e)
+            memory://doc/control/lease.json: larger than the 10 bytes a file of its kind may have; refusing to read it
+        """
+        if self.is_local:
+            data = self._call("read", rel, _read_regular_file, self.path(rel), self.url_of(rel), max_bytes)
+        else:
+            data = self._call("read", rel, self.fs.cat_file, self.path(rel), start=0, end=max_bytes + 1)
+        if len(data) > max_bytes:
+            raise _too_large(self.url_of(rel), max_bytes)
+        return data
+
     def iter_chunks(self, rel: str, chunk_size: int = 8 << 20) -> Iterator[bytes]:
         """Stream an object in chunks (for checksums of large shards without holding them in memory)."""
         f = self._call("open", rel, self.fs.open, self.path(rel), "rb", **self.read_options)
@@ -541,6 +607,19 @@ class Storage:
             self._call("delete", rel, self.fs.rm_file, path)
         except StorageNotFoundError:
             pass
+
+    def rename(self, rel: str, new_rel: str) -> None:
+        """Rename ``rel`` (a file, or on local disk a directory) to ``new_rel``; a symbolic link is renamed itself.
+
+        Example:
+            >>> s = Storage("memory://doc/rename")
+            >>> s.write_bytes("a.json", b"{}"); s.rename("a.json", "b.json"); s.listdir("")
+            ['b.json']
+        """
+        if self.is_local:
+            self._call("rename", rel, os.rename, self.path(rel), self.path(new_rel))
+        else:
+            self._call("rename", rel, self.fs.mv, self.path(rel), self.path(new_rel))
 
     def delete_directory(self, rel: str, *, first: str | None = None) -> bool:
         """Delete the directory ``rel``: the file ``first`` (if given) before the others, then every other name

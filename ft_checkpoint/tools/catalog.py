@@ -86,9 +86,10 @@ def describe_step(storage: Storage, step: int) -> StepInfo:
         >>> describe_step(Storage("memory://doc/describe"), 5).reason
         'no manifest.json: an interrupted save, or one still being written'
     """
-    sizes = storage.sizes(layout.step_dir(step))
+    entries = storage.entries(layout.step_dir(step))
+    sizes = {name: e.size for name, e in entries.items() if e.kind == "file"}
     info = StepInfo(step=step, status=PARTIAL, bytes=sum(sizes.values()), files=len(sizes))
-    if layout.MANIFEST not in sizes:
+    if layout.MANIFEST not in entries:  # a FIFO or a link by that name is no partial save: check_step says what
         quarantined = layout.MANIFEST + layout.SKIPPED_SUFFIX in sizes
         info.status = CORRUPT if quarantined else PARTIAL
         info.reason = layout.QUARANTINED if quarantined else "no manifest.json: an interrupted save, or one still being written"
@@ -204,7 +205,7 @@ def inspect_step(storage: Storage, step: int) -> dict[str, Any]:
         entry = manifest.files.get(name)
         if entry is None:
             raise CheckpointCorruptError(f"the manifest lists no {name}")
-        data = storage.read_bytes(f"{layout.step_dir(step)}/{name}")
+        data = storage.read_control(f"{layout.step_dir(step)}/{name}", max_bytes=entry.size)
         if len(data) != entry.size or not checksum.matches(entry.checksum, [data]):
             raise CheckpointCorruptError(f"{name} does not match its checksum (corrupted); refusing to read it. "
                                          "HINT: run ft-checkpoint verify")

@@ -5,13 +5,21 @@ for real (real links, real FIFOs, a real manager) and asserts the safe outcome."
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
 import threading
+import time
+
+import pytest
 
 from ft_checkpoint import CheckpointManager, layout, retention
+from ft_checkpoint.errors import LeaseError
+from ft_checkpoint.journal import read_journal
 from ft_checkpoint.storage import Storage
 from ft_checkpoint.tools.catalog import apply_gc, plan_gc
+from tests.cli.conftest import cli
 from tests.helpers.toy import make
 
 HANG_GUARD = 30.0
@@ -118,3 +126,122 @@ def test_delete_step_removes_links_and_fifos_inside_a_step_but_never_their_targe
     assert layout.delete_step(Storage(ours), 1)
     assert not os.path.lexists(step)
     assert_intact(victim, files)
+
+
+# -- 5. special files never block ---------------------------------------------------------------
+def plant(path: str, kind: str) -> None:
+    """Put a special file named ``path`` in place of whatever is there."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "link to /dev/zero":
+        os.symlink("/dev/zero", path)
+    elif kind == "directory":
+        os.makedirs(os.path.join(path, "kept"))
+    elif kind == "sparse 1 GiB":
+        with open(path, "wb") as f:
+            f.truncate(1 << 30)
+
+
+def two_saved_steps(url: str) -> None:
+    with CheckpointManager(url, interval=1) as ckpt:
+        ckpt.save(1, make(), block=True)
+        ckpt.save(2, make(), block=True)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero", "directory", "sparse 1 GiB"])
+def test_a_manifest_that_is_no_small_regular_file_is_skipped_by_ls_verify_inspect_and_resume(tmp_path, kind, caplog):
+    url = str(tmp_path / "ckpt")
+    two_saved_steps(url)
+    plant(os.path.join(url, layout.step_dir(2), layout.MANIFEST), kind)
+    reason = "larger than" if kind.startswith("sparse") else "not a regular file"
+
+    ls = cli("ls", url, "--json", timeout=HANG_GUARD)
+    assert ls.returncode == 0, ls.stderr
+    steps = {s["step"]: s for s in json.loads(ls.stdout)["steps"]}
+    assert steps[1]["status"] == "committed" and steps[2]["status"] == "corrupt"
+    assert reason in steps[2]["reason"]
+    verify = cli("verify", url, "--all", timeout=HANG_GUARD)
+    assert verify.returncode == 1 and reason in verify.stdout, verify.stdout + verify.stderr
+    inspect = cli("inspect", url, "--step", "2", timeout=HANG_GUARD)
+    assert inspect.returncode == 2 and reason in inspect.stderr, inspect.stderr
+    assert cli("inspect", url, timeout=HANG_GUARD).returncode == 0
+
+    caplog.set_level(logging.WARNING, logger="ft_checkpoint")
+    with within_guard(CheckpointManager, url) as ckpt:
+        assert within_guard(ckpt.resume, make(seed=9)) == 1
+    assert reason in next(r.getMessage() for r in caplog.records if "skipping step 2" in r.getMessage())
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero", "directory"])
+def test_a_lease_that_is_no_regular_file_refuses_clearly_and_force_takeover_replaces_it(tmp_path, kind):
+    url = str(tmp_path / "ckpt")
+    os.makedirs(url)
+    lease = os.path.join(url, "lease.json")
+    plant(lease, kind)
+    with pytest.raises(LeaseError, match=r"not a regular file.*HINT: .*force_takeover=True"):
+        within_guard(CheckpointManager, url)
+    with within_guard(CheckpointManager, url, interval=1, force_takeover=True) as ckpt:
+        ckpt.save(1, make(), block=True)
+        with open(lease) as f:
+            assert json.load(f)["attempt"] == ckpt.journal.attempt
+    if kind == "directory":  # moved aside, never deleted
+        aside = [n for n in os.listdir(url) if n.startswith("lease.json.")]
+        assert len(aside) == 1 and os.listdir(os.path.join(url, aside[0])) == ["kept"]
+
+
+def test_fifos_in_the_journal_are_skipped_with_a_warning(tmp_path, caplog):
+    url = str(tmp_path / "ckpt")
+    with CheckpointManager(url, interval=1) as ckpt:
+        ckpt.save(1, make(), block=True)
+        attempt = ckpt.journal.attempt
+    where = os.path.join(url, layout.JOURNAL_DIR, attempt)
+    for name in ("000099-commit.json", "progress.json"):
+        plant(os.path.join(where, name), "fifo")
+    caplog.set_level(logging.WARNING, logger="ft_checkpoint")
+    events = within_guard(read_journal, Storage(url))
+    assert [e["event"] for e in events][:1] == ["attempt_start"] and "commit" in [e["event"] for e in events]
+    warned = [r.getMessage() for r in caplog.records if "skipping the unreadable journal entry" in r.getMessage()]
+    assert any("000099-commit.json" in w and "not a regular file" in w for w in warned), warned
+    with within_guard(CheckpointManager, url, interval="adaptive"):  # reads the journal's attempts at start
+        pass
+    report = cli("report", url, timeout=HANG_GUARD)
+    assert report.returncode == 0 and "not a regular file" in report.stderr, report.stderr
+
+
+# -- 7. a lease from the future is no lock forever ----------------------------------------------
+YEAR_2100 = 4102444800.0
+
+
+def plant_lease(url: str, *, heartbeat: float, mtime: float | None = None, garbage: bool = False) -> None:
+    """Another host's lease in ``url`` (or an unreadable one), written at ``mtime``."""
+    os.makedirs(url, exist_ok=True)
+    path = os.path.join(url, "lease.json")
+    record = {"attempt": "old", "host": "node-a", "pid": 1, "job": None, "heartbeat": heartbeat}
+    with open(path, "w") as f:
+        f.write("owner: node-a" if garbage else json.dumps(record))
+    if mtime is not None:
+        os.utime(path, (mtime, mtime))
+
+
+@pytest.mark.parametrize("case", ["heartbeat in 2100", "heartbeat and mtime in 2100", "unreadable, mtime in 2100"])
+def test_a_lease_from_the_future_is_stale_and_the_takeover_says_why(tmp_path, case, caplog):
+    url = str(tmp_path / "ckpt")
+    plant_lease(url, heartbeat=YEAR_2100, mtime=None if case == "heartbeat in 2100" else YEAR_2100,
+                garbage=case.startswith("unreadable"))
+    caplog.set_level(logging.INFO, logger="ft_checkpoint.lease")
+    with CheckpointManager(url, interval=1) as ckpt:
+        ckpt.save(1, make(), block=True)
+    taken = next(r.getMessage() for r in caplog.records if "taking over the checkpoint lease" in r.getMessage())
+    assert "in the future, beyond the clock-skew tolerance of 60 s: stale" in taken, taken
+
+
+def test_a_heartbeat_a_little_ahead_is_clock_skew_and_the_refusal_never_says_minus_seconds_ago(tmp_path):
+    url = str(tmp_path / "ckpt")
+    plant_lease(url, heartbeat=time.time() + 40)  # another host's clock, 40 s ahead: its owner may be alive
+    with pytest.raises(LeaseError, match=r"last heartbeat \d+ s in the future \(clock skew") as e:
+        CheckpointManager(url)
+    assert "-" not in str(e.value).split("last heartbeat")[1].split("s in the future")[0]

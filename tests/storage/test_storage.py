@@ -7,7 +7,7 @@ import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
 from ft_checkpoint import layout
-from ft_checkpoint.errors import ConfigError, StorageError, StorageNotFoundError
+from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, StorageError, StorageNotFoundError
 from ft_checkpoint.storage import Storage, is_transient
 
 
@@ -44,6 +44,26 @@ def test_exists_and_delete(storage):
     storage.delete_empty_dir("d")
     assert storage.listdir("d") == [] and "d" not in storage.listdir("")
     storage.delete_file("never-existed")  # not an error
+
+
+def test_read_control_reads_a_small_file_whole_and_refuses_a_larger_one(storage):
+    storage.write_bytes("c/manifest.json", b"x" * 100)
+    assert storage.read_control("c/manifest.json", max_bytes=100) == b"x" * 100
+    with pytest.raises(CheckpointCorruptError, match=r"c/manifest.json: larger than the 99 bytes .*refusing"):
+        storage.read_control("c/manifest.json", max_bytes=99)
+    with pytest.raises(StorageNotFoundError):
+        storage.read_control("c/missing.json", max_bytes=10)
+
+
+def test_delete_directory_deletes_its_files_and_leaves_a_subdirectory(storage):
+    for name in ("s/manifest.json", "s/a.bin", "s/b.bin", "t/a.bin"):
+        storage.write_bytes(name, b"1")
+    assert storage.delete_directory("s", first="manifest.json")
+    assert storage.listdir("") == ["t"]
+    storage.write_bytes("t/sub/kept", b"2")
+    assert not storage.delete_directory("t")
+    assert storage.listdir("t") == ["sub"] and storage.read_bytes("t/sub/kept") == b"2"
+    assert storage.delete_directory("never-existed")
 
 
 def test_delete_is_literal_never_a_pattern(storage):
@@ -270,3 +290,4 @@ def test_memory_store_lists_a_directory_while_other_threads_write_and_delete_in_
             w.join()
         sys.setswitchinterval(interval)
     assert not errors, errors[0]
+
