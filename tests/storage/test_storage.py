@@ -291,3 +291,45 @@ def test_memory_store_lists_a_directory_while_other_threads_write_and_delete_in_
         sys.setswitchinterval(interval)
     assert not errors, errors[0]
 
+
+def test_memory_store_two_threads_verifying_the_same_good_step_both_find_it_intact():
+    """Every open of a ``memory://`` file returned the one shared file object: two readers moved each other's
+    position, and a good step was reported corrupt (2 to 3 checks in 8), so a resume could set it aside."""
+    import sys
+    import threading
+    import uuid
+
+    import torch
+
+    from ft_checkpoint import CheckpointManager
+
+    url = f"memory://two-readers-{uuid.uuid4().hex}"
+    with CheckpointManager(url, interval=1) as ckpt:
+        ckpt.save(1, {"w": torch.arange(3_000_000, dtype=torch.float32), "b": torch.ones(1000)}, block=True)
+    storage = Storage(url)
+    results: list[list[str]] = []
+
+    def verify():
+        for _ in range(8):
+            results.append(layout.check_step(storage, 1, checksums=True).problems)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # threads switch often: a shared position shows at once
+    try:
+        workers = [threading.Thread(target=verify) for _ in range(2)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert len(results) == 16 and all(problems == [] for problems in results), [p for p in results if p]
+
+
+def test_memory_store_each_open_has_its_own_position():
+    s = Storage(f"memory://positions-{__import__('uuid').uuid4().hex}")
+    s.write_bytes("f.bin", b"0123456789")
+    with s.open_read("f.bin") as a, s.open_read("f.bin") as b:
+        assert a.read(4) == b"0123"
+        assert b.read(4) == b"0123", "a second reader started where the first one stopped"
+        assert a.read() == b"456789"
