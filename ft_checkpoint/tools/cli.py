@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from ft_checkpoint import __version__
 from ft_checkpoint.errors import FTCheckpointError
-from ft_checkpoint.units import human_bytes, human_seconds, parse_duration, short
+from ft_checkpoint.units import human_bytes, human_seconds, parse_duration, printable, short
 
 if TYPE_CHECKING:
     from ft_checkpoint.storage import Storage
@@ -194,8 +194,18 @@ def plural(n: int, word: str, many: str | None = None) -> str:
 
 
 def utc(t: float | None) -> str:
-    """An epoch time as ``2026-11-29 12:00:01Z`` (``-`` for None)."""
-    return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(t))
+    """An epoch time as ``2026-11-29 12:00:01Z`` (``-`` for None); a number no calendar holds says so.
+
+    Example:
+        >>> utc(1795910400), utc(1e300)
+        ('2026-11-29 00:00:00Z', '1e+300 (not a date)')
+    """
+    if t is None:
+        return "-"
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(t))
+    except (OverflowError, OSError, ValueError):  # a manifest's time is any finite number
+        return f"{t:g} (not a date)"
 
 
 def open_storage(url: str | None) -> Storage:
@@ -260,8 +270,9 @@ def table(header: list[str], rows: list[list[str]], align: str) -> list[str]:
 
 
 def emit(args: argparse.Namespace, data: Any, lines: list[str]) -> None:
-    """Print ``data`` as JSON with ``--json``, else the human ``lines``."""
-    print(json.dumps(data) if args.json else "\n".join(lines))
+    """Print ``data`` as JSON with ``--json``, else the human ``lines`` (control characters escaped: names and
+    versions come from files anyone who can write the directory may have forged)."""
+    print(json.dumps(data) if args.json else "\n".join(printable(line) for line in lines))
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -541,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _error(command: str, message: str, code: int = 2) -> int:
     """Print ``ft-checkpoint COMMAND: error: MESSAGE`` as one line on stderr; return ``code``."""
-    print(f"ft-checkpoint {command}: error: {' '.join(message.split())}", file=sys.stderr)
+    print(f"ft-checkpoint {command}: error: {printable(' '.join(message.split()))}", file=sys.stderr)
     return code
 
 
@@ -550,7 +561,7 @@ class _StderrWarnings(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            print(f"ft-checkpoint: {record.levelname.lower()}: {record.getMessage()}", file=sys.stderr)
+            print(f"ft-checkpoint: {record.levelname.lower()}: {printable(record.getMessage())}", file=sys.stderr)
         except Exception:
             self.handleError(record)
 
