@@ -369,15 +369,14 @@ def delete_step(storage: Storage, step: int) -> bool:
 
 
 def quarantine(storage: Storage, steps: Iterable[int]) -> None:
-    """Rename the manifests of ``steps`` to ``manifest.json.skipped``: they no longer count as commits. One that
-    is no small regular file (a FIFO, a link) is left as it is: it never counts as a commit anyway."""
+    """Rename the manifests of ``steps`` to ``manifest.json.skipped``: they no longer count as commits. Never
+    through a symbolic link, even one swapped in for the step directory since it was checked (see
+    ``Storage.rename``): such a step is left as it is, with a warning."""
     for step in steps:
         rel = f"{step_dir(step)}/{MANIFEST}"
         try:
-            storage.write_bytes(rel + SKIPPED_SUFFIX, storage.read_control(rel, max_bytes=MAX_MANIFEST_BYTES))
+            storage.rename(rel, rel + SKIPPED_SUFFIX)
         except StorageNotFoundError:
             continue
         except CheckpointCorruptError as e:
             log.warning("left %s as it is: %s", storage.url_of(rel), e)
-            continue
-        storage.delete_file(rel)

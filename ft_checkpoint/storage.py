@@ -610,6 +610,9 @@ class Storage:
 
     def rename(self, rel: str, new_rel: str) -> None:
         """Rename ``rel`` (a file, or on local disk a directory) to ``new_rel``; a symbolic link is renamed itself.
+        On local disk atomically, and never through a link: the directories of both names are opened without
+        following one (CheckpointCorruptError if one is a link, e.g. swapped in after a listing). Elsewhere a
+        copy, then a delete.
 
         Example:
             >>> s = Storage("memory://doc/rename")
@@ -617,9 +620,20 @@ class Storage:
             ['b.json']
         """
         if self.is_local:
-            self._call("rename", rel, os.rename, self.path(rel), self.path(new_rel))
+            self._call("rename", rel, self._rename_local, rel, new_rel)
         else:
             self._call("rename", rel, self.fs.mv, self.path(rel), self.path(new_rel))
+
+    def _rename_local(self, rel: str, new_rel: str) -> None:
+        (parent, name), (new_parent, new_name) = posixpath.split(rel), posixpath.split(new_rel)
+        try:
+            with _open_directory(self.root, parent) as src, _open_directory(self.root, new_parent) as dst:
+                os.rename(name, new_name, src_dir_fd=src, dst_dir_fd=dst)
+        except OSError as e:
+            if e.errno not in (errno.ELOOP, errno.ENOTDIR):  # a link, or a file, where a directory belongs
+                raise
+            raise CheckpointCorruptError(f"{self.url_of(rel)}: a directory on its way is a symbolic link or not a "
+                                         "directory; nothing is renamed through it") from e
 
     def delete_directory(self, rel: str, *, first: str | None = None) -> bool:
         """Delete the directory ``rel``: the file ``first`` (if given) before the others, then every other name

@@ -245,3 +245,25 @@ def test_a_heartbeat_a_little_ahead_is_clock_skew_and_the_refusal_never_says_min
     with pytest.raises(LeaseError, match=r"last heartbeat \d+ s in the future \(clock skew") as e:
         CheckpointManager(url)
     assert "-" not in str(e.value).split("last heartbeat")[1].split("s in the future")[0]
+
+
+def test_a_resume_never_sets_aside_the_manifest_of_a_step_swapped_for_a_link_after_its_check(tmp_path, monkeypatch,
+                                                                                               caplog):
+    victim, files = victim_run(tmp_path)
+    ours = str(tmp_path / "ours")
+    two_saved_steps(ours)
+    with open(os.path.join(ours, layout.step_dir(2), layout.MANIFEST), "w") as f:
+        f.write("{garbled")  # step 2 is corrupt now: a resume skips it and sets it aside
+    quarantine = layout.quarantine
+
+    def swap_then_quarantine(storage, steps):  # the attacker's swap, between the check and the rename
+        steps = list(steps)
+        if 2 in steps:
+            swap_for_link(ours, 2, victim)
+        quarantine(storage, steps)
+
+    monkeypatch.setattr(layout, "quarantine", swap_then_quarantine)
+    with CheckpointManager(ours) as ckpt:
+        assert ckpt.resume(make(seed=9)) == 1
+    assert_intact(victim, files)
+    assert "nothing is renamed through it" in caplog.text
