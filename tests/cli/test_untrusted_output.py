@@ -54,7 +54,8 @@ def test_a_manifest_time_of_1e300_hides_no_step_from_ls(hostile):
 
 
 @pytest.mark.parametrize("args", [("ls",), ("verify", "--all"), ("inspect",), ("inspect", "--step", "1"),
-                                  ("inspect", "--step", "2"), ("report",), ("gc", "--keep", "5", "--dry-run")])
+                                  ("inspect", "--step", "2"), ("report",), ("gc", "--keep", "5", "--dry-run")],
+                         ids=" ".join)
 def test_no_command_prints_a_raw_control_character(hostile, args):
     proc = cli(args[0], hostile, *args[1:])
     assert proc.returncode in (0, 1), (proc.returncode, proc.stderr)

@@ -5,9 +5,11 @@ for real (real links, real FIFOs, a real manager) and asserts the safe outcome."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import resource
 import shutil
 import threading
 import time
@@ -26,8 +28,24 @@ HANG_GUARD = 30.0
 """Seconds a call that must not block may take before the test fails (far more than any of them needs)."""
 
 
+@contextlib.contextmanager
+def memory_guard(extra: int = 2 << 30):
+    """Cap this process's address space at its current size plus ``extra`` bytes: a regression that reads
+    ``/dev/zero`` whole fails with MemoryError instead of exhausting a shared machine."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/status") as f:
+        size = int(next(line for line in f if line.startswith("VmSize:")).split()[1]) * 1024
+    cap = size + extra if hard == resource.RLIM_INFINITY else min(size + extra, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
 def within_guard(fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` on a daemon thread; fails the test if it has not returned after HANG_GUARD."""
+    """``fn(*args, **kwargs)`` on a daemon thread; fails the test if it has not returned after HANG_GUARD (or
+    if it reads gigabytes: see memory_guard)."""
     out: dict = {}
 
     def run():
@@ -37,8 +55,9 @@ def within_guard(fn, *args, **kwargs):
             out["error"] = e
 
     thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(HANG_GUARD)
+    with memory_guard():
+        thread.start()
+        thread.join(HANG_GUARD)
     assert not thread.is_alive(), f"{getattr(fn, '__name__', fn)} still blocked after {HANG_GUARD:.0f} s"
     if "error" in out:
         raise out["error"]
