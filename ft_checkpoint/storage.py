@@ -30,7 +30,6 @@ import errno
 import logging
 import os
 import posixpath
-import stat
 import struct
 import uuid
 from collections.abc import Callable, Iterator
@@ -41,10 +40,10 @@ import tenacity
 from fsspec.core import url_to_fs
 from fsspec.implementations.memory import MemoryFileSystem
 
+from ft_checkpoint import nofollow
 from ft_checkpoint.buffer_pool import BufferPool
 from ft_checkpoint.checksum import combine_all, crc32c_of, crcs_while_writing
 from ft_checkpoint.errors import (
-    CheckpointCorruptError,
     ConfigError,
     FTCheckpointError,
     StorageError,
@@ -195,79 +194,6 @@ def _write_all(f: Any, view: memoryview) -> None:
         if n is None:  # a buffered fsspec file takes everything
             return
         view = view[n:]
-
-
-_NOFOLLOW_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-"""How a directory is opened for deleting inside it: never through a symbolic link."""
-
-
-@contextlib.contextmanager
-def _open_directory(root: str, rel: str) -> Iterator[int]:
-    """A descriptor of ``root/rel``: ``root`` as the user named it, each component of ``rel`` without following a link."""
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        for part in filter(None, rel.split("/")):
-            inner = os.open(part, _NOFOLLOW_DIRECTORY, dir_fd=fd)
-            os.close(fd)
-            fd = inner
-        yield fd
-    finally:
-        os.close(fd)
-
-
-def _unlink_entry(directory: int, name: str, url: str) -> None:
-    """Unlink ``name`` inside the open ``directory`` (a link is removed itself); a directory is left, with a warning."""
-    try:
-        os.unlink(name, dir_fd=directory)
-    except FileNotFoundError:
-        pass
-    except IsADirectoryError:
-        log.warning("left %s in place: only files are deleted", url)
-    except PermissionError:  # EPERM: what some systems answer for unlinking a directory
-        if not stat.S_ISDIR(os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode):
-            raise
-        log.warning("left %s in place: only files are deleted", url)
-
-
-_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-
-
-def _read_regular_file(path: str, url: str, max_bytes: int) -> bytes:
-    """Up to ``max_bytes + 1`` bytes of ``path`` if it is a regular file (see :meth:`Storage.read_control`)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    except OSError as e:
-        if e.errno not in (errno.ELOOP, errno.ENXIO):  # a symbolic link; a socket
-            raise
-        fd = None
-        kind = "a symbolic link" if e.errno == errno.ELOOP else "a socket"
-    if fd is not None:
-        try:
-            info = os.fstat(fd)
-            mode = info.st_mode
-            if stat.S_ISREG(mode) and info.st_size > max_bytes:
-                raise _too_large(url, max_bytes)
-            if stat.S_ISREG(mode):
-                return _read_at_most(fd, max_bytes + 1)
-            kind = next((name for test, name in _FILE_KINDS if test(mode)), "a special file")
-        finally:
-            os.close(fd)
-    raise CheckpointCorruptError(f"{url} is {kind}, not a regular file: refusing to read it (nothing but the "
-                                 "files ft-checkpoint writes belongs there). HINT: remove it")
-
-
-def _read_at_most(fd: int, limit: int) -> bytes:
-    chunks, left = [], limit
-    while left and (chunk := os.read(fd, min(left, IO_SLICE))):
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
-
-def _too_large(url: str, max_bytes: int) -> CheckpointCorruptError:
-    return CheckpointCorruptError(f"{url}: larger than the {max_bytes} bytes a file of its kind may have; refusing "
-                                  "to read it")
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
@@ -547,16 +473,17 @@ class Storage:
             >>> s.write_bytes("lease.json", b"x" * 100)
             >>> try:
             ...     s.read_control("lease.json", max_bytes=10)
-            ... except CheckpointCorruptError as e:
+            ... except ValueError as e:  # a CheckpointCorruptError
             ...     print(e)
             memory://doc/control/lease.json: larger than the 10 bytes a file of its kind may have; refusing to read it
         """
         if self.is_local:
-            data = self._call("read", rel, _read_regular_file, self.path(rel), self.url_of(rel), max_bytes)
+            data = self._call("read", rel, nofollow.read_regular_file, self.path(rel), max_bytes=max_bytes,
+                              url=self.url_of(rel))
         else:
             data = self._call("read", rel, self.fs.cat_file, self.path(rel), start=0, end=max_bytes + 1)
         if len(data) > max_bytes:
-            raise _too_large(self.url_of(rel), max_bytes)
+            raise nofollow.too_large(self.url_of(rel), max_bytes)
         return data
 
     def iter_chunks(self, rel: str, chunk_size: int = 8 << 20) -> Iterator[bytes]:
@@ -620,20 +547,9 @@ class Storage:
             ['b.json']
         """
         if self.is_local:
-            self._call("rename", rel, self._rename_local, rel, new_rel)
+            self._call("rename", rel, nofollow.rename, self.root, rel, new_rel, url=self.url_of(rel))
         else:
             self._call("rename", rel, self.fs.mv, self.path(rel), self.path(new_rel))
-
-    def _rename_local(self, rel: str, new_rel: str) -> None:
-        (parent, name), (new_parent, new_name) = posixpath.split(rel), posixpath.split(new_rel)
-        try:
-            with _open_directory(self.root, parent) as src, _open_directory(self.root, new_parent) as dst:
-                os.rename(name, new_name, src_dir_fd=src, dst_dir_fd=dst)
-        except OSError as e:
-            if e.errno not in (errno.ELOOP, errno.ENOTDIR):  # a link, or a file, where a directory belongs
-                raise
-            raise CheckpointCorruptError(f"{self.url_of(rel)}: a directory on its way is a symbolic link or not a "
-                                         "directory; nothing is renamed through it") from e
 
     def delete_directory(self, rel: str, *, first: str | None = None) -> bool:
         """Delete the directory ``rel``: the file ``first`` (if given) before the others, then every other name
@@ -652,7 +568,7 @@ class Storage:
             (True, [])
         """
         if self.is_local:
-            return self._call("delete", rel, self._delete_local_directory, rel, first)
+            return self._call("delete", rel, nofollow.delete_directory, self.root, rel, first=first, url_of=self.url_of)
         names = sorted(self.entries(rel).items(), key=lambda item: item[0] != first)
         for name, entry in names:
             if entry.kind == "directory":
@@ -661,33 +577,6 @@ class Storage:
             self.delete_file(f"{rel}/{name}")
         self.delete_empty_dir(rel)
         return not self.exists(rel)
-
-    def _delete_local_directory(self, rel: str, first: str | None) -> bool:
-        parent_rel, name = posixpath.split(rel)
-        with _open_directory(self.root, parent_rel) as parent:
-            try:
-                directory = os.open(name, _NOFOLLOW_DIRECTORY, dir_fd=parent)
-            except FileNotFoundError:
-                return True
-            except OSError as e:
-                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
-                    raise
-                log.warning("left %s in place: it is a symbolic link or not a directory (swapped in after it was "
-                            "listed?); nothing is deleted through it", self.url_of(rel))
-                return False
-            try:
-                for entry in sorted(os.listdir(directory), key=lambda n: n != first):
-                    _unlink_entry(directory, entry, self.url_of(f"{rel}/{entry}"))
-            finally:
-                os.close(directory)
-            try:
-                os.rmdir(name, dir_fd=parent)
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                log.warning("left %s in place: %s", self.url_of(rel), e.strerror)
-                return False
-        return True
 
     def delete_empty_dir(self, rel: str) -> None:
         """Remove the directory ``rel`` if it is empty (object stores have no directories: nothing to do)."""
