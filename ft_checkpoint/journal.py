@@ -335,7 +335,7 @@ class JournalReader:
     def _load(self, rel: str, parse: Any) -> dict[str, Any] | None:
         if rel not in self._parsed:
             try:
-                self._parsed[rel] = parse(self.storage.read_bytes(rel))
+                self._parsed[rel] = parse(self.storage.read_control(rel, max_bytes=jsonfile.MAX_BYTES))
             except (ValueError, StorageError) as e:
                 self._parsed[rel] = None
                 self._skip(rel, e)

@@ -52,6 +52,8 @@ JOURNAL_DIR = "journal"
 FORMAT_VERSION = 2
 """2: raw tensor bytes, ``metadata.json``, CRC-32C. 1: DCP's FileSystemWriter format, SHA-256 (still read)."""
 SKIPPED_SUFFIX = ".skipped"
+MAX_MANIFEST_BYTES = 64 << 20
+"""The largest ``manifest.json`` read (bytes): about 750,000 files at ~85 bytes per entry; a larger one is corrupt."""
 MAX_STEP = 10**12
 _STEP_RE = re.compile(r"step_([0-9]{12})", re.ASCII)
 _SAFE_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+", re.ASCII)
@@ -248,7 +250,7 @@ def read_manifest(storage: Storage, step: int, *, signer: signing.Signer | None 
     ``signer``, SignatureError if it is unsigned or its signature does not verify for this run and step."""
     rel = f"{step_dir(step)}/{MANIFEST}"
     try:
-        data = storage.read_bytes(rel)
+        data = storage.read_control(rel, max_bytes=MAX_MANIFEST_BYTES)  # never a FIFO, a link, a huge file
     except StorageNotFoundError as e:
         raise CheckpointCorruptError("manifest.json is missing") from e
     manifest = Manifest.from_json(data, where=storage.url_of(rel))
@@ -382,26 +384,24 @@ def _checksum_problem(storage: Storage, rel: str, entry: FileEntry, on_bytes: On
 
 
 # -- deleting and setting aside ----------------------------------------------------------------
-def delete_step(storage: Storage, step: int) -> None:
+def delete_step(storage: Storage, step: int) -> bool:
     """Delete one step directory: its manifest first (a crash halfway leaves garbage, never a broken
-    commit), then each file listed in it, by its literal name, then the empty directory. Nothing is
-    expanded as a pattern and no symbolic link is followed; a subdirectory (never ours) is left alone."""
-    rel = step_dir(step)
-    storage.delete_file(f"{rel}/{MANIFEST}")
-    for name, entry in storage.entries(rel).items():
-        if entry.kind == "directory":
-            log.warning("left %s in place: a step directory never holds directories of ours", storage.url_of(f"{rel}/{name}"))
-            continue
-        storage.delete_file(f"{rel}/{name}")
-    storage.delete_empty_dir(rel)
+    commit), then every other file its own listing holds, by its literal name, then the empty directory;
+    returns whether it is gone. Nothing is expanded as a pattern and no symbolic link is followed, even one
+    swapped in for the directory after it was listed (see ``Storage.delete_directory``); a subdirectory
+    (never ours) is left alone."""
+    return storage.delete_directory(step_dir(step), first=MANIFEST)
 
 
 def quarantine(storage: Storage, steps: Iterable[int]) -> None:
-    """Rename the manifests of ``steps`` to ``manifest.json.skipped``: they no longer count as commits."""
+    """Rename the manifests of ``steps`` to ``manifest.json.skipped``: they no longer count as commits. Never
+    through a symbolic link, even one swapped in for the step directory since it was checked (see
+    ``Storage.rename``): such a step is left as it is, with a warning."""
     for step in steps:
         rel = f"{step_dir(step)}/{MANIFEST}"
         try:
-            storage.write_bytes(rel + SKIPPED_SUFFIX, storage.read_bytes(rel))
+            storage.rename(rel, rel + SKIPPED_SUFFIX)
         except StorageNotFoundError:
             continue
-        storage.delete_file(rel)
+        except CheckpointCorruptError as e:
+            log.warning("left %s as it is: %s", storage.url_of(rel), e)

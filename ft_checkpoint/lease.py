@@ -9,6 +9,8 @@ counters, heartbeat) and refreshes the heartbeat from a background thread.
 - the lease is this attempt's own, or this very process's (an earlier manager that could not release it);
 - the owner ran on this host and its process is gone (a crashed run started again);
 - its heartbeat is older than ``timeout``: a crashed or hung job elsewhere;
+- its heartbeat lies more than :data:`CLOCK_SKEW` (60 s) in the future: a wrong clock or a forged lease
+  (a lease of year 2100 would otherwise be a lock forever);
 - the owner is an earlier start of the same launcher job (``FT_CHECKPOINT_RUN_ID``,
   ``TORCHELASTIC_RUN_ID`` or ``SLURM_JOB_ID``) and the launcher counts this start as a later restart
   (``SLURM_RESTART_COUNT``, then ``TORCHELASTIC_RESTART_COUNT``, higher than recorded): a launcher
@@ -36,13 +38,16 @@ check is made depends on the store:
 :meth:`Lease.release` removes ``lease.json`` only if it still names this attempt (read, compare, delete
 on every store), and never after the lease was lost.
 
-**Garbage.** A ``lease.json`` that is not a JSON object, has fields of the wrong type, a heartbeat that
-is not a finite number or lies more than ``timeout`` in the future, is never a crash: a warning names
-the file and what is wrong. Such a lease blocks like a live owner's while the file is recent (modified
-within ``timeout``): it may be the lease of a live job of another version, or a live owner's write
-read half-done on a file system without atomic writes. Once the file is older than ``timeout`` nobody
-is refreshing it, and it is taken over. ``force_takeover=True`` takes it at once; where the store
-reports no modification time, only that does. Refusals are always a :class:`LeaseError` with a HINT.
+**Garbage.** A ``lease.json`` that is not a JSON object, has fields of the wrong type or a heartbeat that
+is not a finite number, is larger than ``jsonfile.MAX_BYTES`` (1 MiB), or is no regular file at all (a
+FIFO, a directory, a symbolic link: never opened for reading, never followed) is never a crash and never
+blocks a read: a warning names the file and what is wrong. Such a lease blocks like a live owner's while
+the file is recent (modified within ``timeout``): it may be the lease of a live job of another version, or
+a live owner's write read half-done on a file system without atomic writes. Once the file is older than
+``timeout`` (or modified more than :data:`CLOCK_SKEW` in the future) nobody is refreshing it, and it is
+taken over. ``force_takeover=True`` takes it at once (a directory in its place is moved aside, never
+deleted); where the store reports no modification time, only that does. Refusals are always a
+:class:`LeaseError` with a HINT.
 
 Example:
     >>> from ft_checkpoint.storage import Storage
@@ -71,11 +76,12 @@ import os
 import socket
 import threading
 import time
+import uuid
 from typing import Any
 
 from ft_checkpoint import jsonfile
-from ft_checkpoint.errors import LeaseError, StorageError, StorageNotFoundError
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.errors import CheckpointCorruptError, LeaseError, StorageError, StorageNotFoundError
+from ft_checkpoint.storage import Entry, Storage
 
 log = logging.getLogger(__name__)
 LEASE = "lease.json"
@@ -84,6 +90,9 @@ _RESTART_ENV = ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
 """Launcher restart counters, outermost launcher first (Slurm requeues torchrun, not the reverse)."""
 PLACEHOLDER_IDS = frozenset({"", "none", "null", "nil", "undefined", "unknown", "default", "n/a", "-", "0"})
 """Values of a job id variable that identify no job (torchrun's default ``--rdzv-id`` is ``none``)."""
+CLOCK_SKEW = 60.0
+"""Seconds a heartbeat or a modification time may lie ahead of this host's clock (the clocks of two hosts differ):
+further in the future, the lease is stale, taken over like one whose heartbeat is older than the timeout."""
 _MAX_PID = 2**31 - 1
 _PRECONDITION_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict"})
 
@@ -131,11 +140,12 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def parse_lease(data: bytes, *, now: float, timeout: float) -> dict[str, Any]:
-    """The owner recorded in a ``lease.json``; ValueError naming what is wrong with it.
+def parse_lease(data: bytes) -> dict[str, Any]:
+    """The owner recorded in a ``lease.json``; ValueError naming what is wrong with it. A heartbeat from the
+    future parses: :class:`Lease` judges it (see :data:`CLOCK_SKEW`).
 
     Example:
-        >>> parse_lease(b'{"attempt": "a", "host": "h", "pid": "x", "heartbeat": 0}', now=0, timeout=1)
+        >>> parse_lease(b'{"attempt": "a", "host": "h", "pid": "x", "heartbeat": 0}')
         Traceback (most recent call last):
         ValueError: pid='x': expected an integer
     """
@@ -146,8 +156,6 @@ def parse_lease(data: bytes, *, now: float, timeout: float) -> dict[str, Any]:
               "heartbeat": jsonfile.get_number(obj, "heartbeat")}
     if record["job"] is not None and is_placeholder(record["job"].partition("=")[2]):
         record["job"] = None  # written by a version that took "none" for an id
-    if record["heartbeat"] > now + timeout:
-        raise ValueError(f"heartbeat={record['heartbeat']!r} lies {record['heartbeat'] - now:.0f} s in the future")
     return record
 
 
@@ -265,6 +273,8 @@ class Lease:
         """Why the lease in ``seen`` may be taken over without force, or None if it may not."""
         if seen.record is None:
             age = self._file_age()
+            if age is not None and age < -CLOCK_SKEW:
+                return f"unreadable, and its modification time {_from_the_future(age)}"
             return None if age is None or age <= self.timeout else f"unreadable and not rewritten for {age:.0f} s"
         current, me = seen.record, self.owner
         age = time.time() - current["heartbeat"]
@@ -272,6 +282,8 @@ class Lease:
             return "it is this attempt's own"
         if age > self.timeout:
             return f"its heartbeat is {age:.0f} s old"
+        if age < -CLOCK_SKEW:
+            return f"its heartbeat {_from_the_future(age)}"
         if current["host"] == me["host"] and current["pid"] == me["pid"]:
             return "it is this process's own"
         if current["host"] == me["host"] and not _pid_alive(current["pid"]):
@@ -284,14 +296,14 @@ class Lease:
         force = "pass force_takeover=True (FT_CHECKPOINT_FORCE_TAKEOVER=1) if it is dead"
         if seen.record is None:
             age = self._file_age()
-            when = "at an unknown time" if age is None else f"{age:.0f} s ago"
+            when = "at an unknown time" if age is None else _ago(age)
             return (f"{self.url} is unreadable ({seen.problem}) and was written {when}: another job may be "
                     f"writing checkpoints to {self.storage.url}. HINT: if no other job uses this directory, "
                     f"{force}" + ("" if age is None else f"; it is taken over by itself once it is older than "
                                                          f"{self.timeout:.0f} s"))
         age = time.time() - seen.record["heartbeat"]
         return (f"another job is writing checkpoints to {self.storage.url}: {_describe(seen)}, last heartbeat "
-                f"{age:.0f} s ago. Two writers would delete each other's checkpoints. HINT: give this job its own "
+                f"{_ago(age)}. Two writers would delete each other's checkpoints. HINT: give this job its own "
                 f"dirpath, or wait for that job to end (its lease expires {self.timeout:.0f} s after its last "
                 f"heartbeat), or {force}")
 
@@ -344,6 +356,8 @@ class Lease:
 
     def _claim(self, seen: _Seen) -> None:
         """Write our lease over ``seen``: on S3 only if the object is still what was read."""
+        if seen.exists and seen.record is None:
+            self._make_way()
         if self.fencing != "etag":
             self._put()
             return
@@ -355,6 +369,15 @@ class Lease:
         except _Changed:
             raise LeaseError(f"{self.url} changed while this job was taking it over: another job started at the "
                              "same moment. HINT: give each job its own dirpath") from None
+
+    def _make_way(self) -> None:
+        """A directory named ``lease.json`` cannot be written over: move it aside (it is not ours to delete).
+        Anything else in its place (a FIFO, a symbolic link) is replaced by the write itself, never followed."""
+        if self.storage.entries("").get(LEASE, Entry("file", 0)).kind == "directory":
+            aside = f"{LEASE}.{uuid.uuid4().hex[:8]}.not-a-lease"
+            self.storage.rename(LEASE, aside)
+            log.warning("moved the directory %s aside to %s: the lease must be a file", self.url,
+                        self.storage.url_of(aside))
 
     def _put(self, *, if_match: str | None = None, if_none_match: bool = False) -> None:
         """Write our lease; with a condition (S3), raise _Changed if it does not hold."""
@@ -381,9 +404,11 @@ class Lease:
             if self.fencing == "etag":
                 self.storage.fs.invalidate_cache(self.storage.path(LEASE))
                 etag = self.storage.retrying("check", self.url, self.storage.fs.info, self.storage.path(LEASE))["ETag"]
-            data = self.storage.read_bytes(LEASE)
+            data = self.storage.read_control(LEASE, max_bytes=jsonfile.MAX_BYTES)  # never a FIFO, a link, a directory
         except StorageNotFoundError:
             return _Seen(exists=False)
+        except CheckpointCorruptError as e:
+            return self._unreadable(e, etag)
         except StorageError:
             raise
         except Exception as e:
@@ -391,16 +416,23 @@ class Lease:
                 return _Seen(exists=False)
             raise StorageError(f"read {self.url}: {type(e).__name__}: {e}") from e
         try:
-            record = parse_lease(data, now=time.time(), timeout=self.timeout)
+            record = parse_lease(data)
         except ValueError as e:
-            log.warning("the checkpoint lease %s is unreadable: %s", self.url, e)
-            return _Seen(exists=True, problem=str(e), etag=etag)
+            return self._unreadable(e, etag)
         return _Seen(exists=True, record=record, etag=etag)
 
+    def _unreadable(self, problem: ValueError, etag: str | None) -> _Seen:
+        log.warning("the checkpoint lease %s is unreadable: %s", self.url, problem)
+        return _Seen(exists=True, problem=str(problem), etag=etag)
+
     def _file_age(self) -> float | None:
-        """Seconds since ``lease.json`` was last written, from the store's modification time (None if unknown)."""
+        """Seconds since ``lease.json`` was last written, from the store's modification time (None if unknown;
+        negative if it lies in the future); on local disk that of the name itself, never of a link's target."""
+        path = self.storage.path(LEASE)
         try:
-            modified = self.storage.fs.modified(self.storage.path(LEASE))
+            if self.storage.is_local:
+                return time.time() - os.lstat(path).st_mtime
+            modified = self.storage.fs.modified(path)
         except Exception:  # not implemented by this filesystem, or gone
             return None
         if not isinstance(modified, datetime.datetime):
@@ -409,6 +441,16 @@ class Lease:
             modified = modified.replace(tzinfo=datetime.timezone.utc)
         age = time.time() - modified.timestamp()
         return age if math.isfinite(age) else None
+
+
+def _ago(age: float) -> str:
+    """``'12 s ago'``, or for a time ahead of this host's clock (within :data:`CLOCK_SKEW`) ``'12 s in the future'``."""
+    return f"{age:.0f} s ago" if age >= 0 else f"{-age:.0f} s in the future (clock skew between hosts)"
+
+
+def _from_the_future(age: float) -> str:
+    return (f"lies {-age:.0f} s in the future, beyond the clock-skew tolerance of {CLOCK_SKEW:.0f} s: stale (a wrong "
+            "clock or a forged lease; no live job refreshes a lease from the future)")
 
 
 class _Changed(Exception):

@@ -6,7 +6,8 @@ listing (``KeyError``, or ``dictionary changed size during iteration``). Our eng
 while its retention thread deletes old steps and its writer threads create files, so every method that
 reads or changes the dict runs here under one lock (the dict is process-wide, so the lock is too).
 The files are the same dict as plain ``memory://``: a test that looks with ``fsspec.filesystem("memory")``
-sees them.
+sees them. Each open for reading gets a file of its own, with its own position (fsspec hands every reader
+the one file object of the store, so two threads reading the same file moved each other's position).
 
 Example:
     >>> fs = LockedMemoryFileSystem(skip_instance_cache=True)
@@ -51,9 +52,19 @@ class LockedMemoryFileSystem(MemoryFileSystem):
     def _open(self, path: str, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
         with _LOCK:  # opening for writing puts the file in the store
             f = super()._open(path, mode, *args, **kwargs)
+            if mode == "rb":  # fsspec hands every reader the store's own file: one position for all
+                return _reader(f)
             if type(f) is MemoryFile:
                 f.__class__ = LockedMemoryFile
             return f
+
+
+def _reader(stored: MemoryFile) -> MemoryFile:
+    """A file of its own to read ``stored`` with: its own position, over the same bytes (``BytesIO`` shares them
+    until one of the two is written, which a reader never does)."""
+    f = MemoryFile(stored.fs, stored.path, stored.getvalue())
+    f.created, f.modified = stored.created, stored.modified
+    return f
 
 
 for _name in _STORE_METHODS:

@@ -41,12 +41,14 @@ def plan_deletions(steps: dict[int, bool], *, keep_last: int, keep_every_n_steps
 
 def apply_retention(storage: Storage, *, keep_last: int, keep_every_n_steps: int | None = None,
                     protect: int | None = None, dry_run: bool = False) -> list[int]:
-    """Delete what :func:`plan_deletions` says; returns the deleted (or, with ``dry_run``, deletable) steps."""
+    """Delete what :func:`plan_deletions` says; returns the deleted (or, with ``dry_run``, deletable) steps.
+    A step directory swapped for a symbolic link after the listing is left alone (see ``layout.delete_step``)."""
     steps = layout.list_steps(storage)
     committed = set(layout.committed_steps(storage, steps))
     doomed = plan_deletions({s: s in committed for s in steps}, keep_last=keep_last,
                             keep_every_n_steps=keep_every_n_steps, protect=protect)
-    for step in doomed if not dry_run else ():
-        layout.delete_step(storage, step)
-        log.debug("retention deleted step %d in %s", step, storage.url)
-    return doomed
+    if dry_run:
+        return doomed
+    deleted = [step for step in doomed if layout.delete_step(storage, step)]
+    log.debug("retention deleted steps %s in %s", deleted, storage.url)
+    return deleted

@@ -44,6 +44,7 @@ import tenacity
 from fsspec.core import url_to_fs
 from fsspec.implementations.memory import MemoryFileSystem
 
+from ft_checkpoint import nofollow
 from ft_checkpoint.buffer_pool import BufferPool
 from ft_checkpoint.checksum import combine_all, crc32c_of, crcs_while_writing
 from ft_checkpoint.client_retries import single_attempt, single_attempt_options
@@ -543,6 +544,31 @@ class Storage:
         """Read one whole object."""
         return self._call("read", rel, self.fs.cat_file, self.path(rel))
 
+    def read_control(self, rel: str, *, max_bytes: int) -> bytes:
+        """Read a small control file (a manifest, the lease, a journal event) that anyone who can write the
+        directory may have replaced: CheckpointCorruptError, at once, unless it is a regular file of at most
+        ``max_bytes``. On local disk it is opened without following a symbolic link and without waiting
+        (a FIFO never blocks), checked with ``fstat`` and read to at most ``max_bytes + 1`` bytes (neither
+        ``/dev/zero`` nor a sparse file of a terabyte is read whole); elsewhere one ranged read of as much.
+
+        Example:
+            >>> s = Storage("memory://doc/control")
+            >>> s.write_bytes("lease.json", b"x" * 100)
+            >>> try:
+            ...     s.read_control("lease.json", max_bytes=10)
+            ... except ValueError as e:  # a CheckpointCorruptError
+            ...     print(e)
+            memory://doc/control/lease.json: larger than the 10 bytes a file of its kind may have; refusing to read it
+        """
+        if self.is_local:
+            data = self._call("read", rel, nofollow.read_regular_file, self.path(rel), max_bytes=max_bytes,
+                              url=self.url_of(rel))
+        else:
+            data = self._call("read", rel, self.fs.cat_file, self.path(rel), start=0, end=max_bytes + 1)
+        if len(data) > max_bytes:
+            raise nofollow.too_large(self.url_of(rel), max_bytes)
+        return data
+
     def iter_chunks(self, rel: str, chunk_size: int = 8 << 20) -> Iterator[bytes]:
         """Stream an object in chunks (for checksums of large shards without holding them in memory)."""
         f = self._call("open", rel, self.fs.open, self.path(rel), "rb", **self.read_options)
@@ -591,6 +617,49 @@ class Storage:
             self._call("delete", rel, self.fs.rm_file, path)
         except StorageNotFoundError:
             pass
+
+    def rename(self, rel: str, new_rel: str) -> None:
+        """Rename ``rel`` (a file, or on local disk a directory) to ``new_rel``; a symbolic link is renamed itself.
+        On local disk atomically, and never through a link: the directories of both names are opened without
+        following one (CheckpointCorruptError if one is a link, e.g. swapped in after a listing). Elsewhere a
+        copy, then a delete.
+
+        Example:
+            >>> s = Storage("memory://doc/rename")
+            >>> s.write_bytes("a.json", b"{}"); s.rename("a.json", "b.json"); s.listdir("")
+            ['b.json']
+        """
+        if self.is_local:
+            self._call("rename", rel, nofollow.rename, self.root, rel, new_rel, url=self.url_of(rel))
+        else:
+            self._call("rename", rel, self.fs.mv, self.path(rel), self.path(new_rel))
+
+    def delete_directory(self, rel: str, *, first: str | None = None) -> bool:
+        """Delete the directory ``rel``: the file ``first`` (if given) before the others, then every other name
+        its own listing holds, one by one, then the directory itself; a subdirectory is left in place (with a
+        warning), and so is ``rel``. Returns whether ``rel`` is gone.
+
+        Never through a symbolic link, even one swapped in after the caller listed ``rel``: on local disk the
+        directory is opened without following a link (a link or anything but a directory in its place is left
+        alone, with a warning), and each name is listed, unlinked and the directory removed relative to that
+        open directory, so a link inside it is removed itself, never its target.
+
+        Example:
+            >>> s = Storage("memory://doc/delete-dir")
+            >>> s.write_bytes("step/manifest.json", b"{}"); s.write_bytes("step/a.bin", b"1")
+            >>> s.delete_directory("step", first="manifest.json"), s.listdir("")
+            (True, [])
+        """
+        if self.is_local:
+            return self._call("delete", rel, nofollow.delete_directory, self.root, rel, first=first, url_of=self.url_of)
+        names = sorted(self.entries(rel).items(), key=lambda item: item[0] != first)
+        for name, entry in names:
+            if entry.kind == "directory":
+                log.warning("left %s in place: only files are deleted", self.url_of(f"{rel}/{name}"))
+                continue
+            self.delete_file(f"{rel}/{name}")
+        self.delete_empty_dir(rel)
+        return not self.exists(rel)
 
     def delete_empty_dir(self, rel: str) -> None:
         """Remove the directory ``rel`` if it is empty (object stores have no directories: nothing to do)."""

@@ -1,4 +1,4 @@
-"""Units in one place: parsing durations and signal names, and writing seconds, bytes and values for people.
+"""Units in one place: parsing durations and signal names, and writing seconds, bytes, values and text for people.
 
 Example:
     >>> parse_duration("5m"), parse_duration("1w"), human_seconds(5400), human_bytes(8_400_000)
@@ -147,6 +147,17 @@ def short(value: Any) -> str:
         return _REPR.repr(value)
     except Exception:  # a hostile __repr__: name the type instead
         return f"<{type(value).__name__}>"
+
+
+def printable(text: str) -> str:
+    """``text`` with every character a terminal would act on (escape sequences, bell, carriage return, ...)
+    written as its Python escape: what a file in the directory names is shown, never obeyed.
+
+    Example:
+        >>> print(printable("w\\x1b[31m\\x07 ok é"))
+        w\\x1b[31m\\x07 ok é
+    """
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def parse_signal(name: str | int) -> signal.Signals:

@@ -90,9 +90,10 @@ def describe_step(storage: Storage, step: int, *, signer: Signer | None = None) 
         >>> describe_step(Storage("memory://doc/describe"), 5).reason
         'no manifest.json: an interrupted save, or one still being written'
     """
-    sizes = storage.sizes(layout.step_dir(step))
+    entries = storage.entries(layout.step_dir(step))
+    sizes = {name: e.size for name, e in entries.items() if e.kind == "file"}
     info = StepInfo(step=step, status=PARTIAL, bytes=sum(sizes.values()), files=len(sizes))
-    if layout.MANIFEST not in sizes:
+    if layout.MANIFEST not in entries:  # a FIFO or a link by that name is no partial save: check_step says what
         quarantined = layout.MANIFEST + layout.SKIPPED_SUFFIX in sizes
         info.status = CORRUPT if quarantined else PARTIAL
         info.reason = layout.QUARANTINED if quarantined else "no manifest.json: an interrupted save, or one still being written"
@@ -242,7 +243,7 @@ def inspect_step(storage: Storage, step: int, *, signer: Signer | None = None) -
         entry = manifest.files.get(name)
         if entry is None:
             raise CheckpointCorruptError(f"the manifest lists no {name}")
-        data = storage.read_bytes(f"{layout.step_dir(step)}/{name}")
+        data = storage.read_control(f"{layout.step_dir(step)}/{name}", max_bytes=entry.size)
         if len(data) != entry.size or not checksum.matches(entry.checksum, [data]):
             raise CheckpointCorruptError(f"{name} does not match its checksum (corrupted); refusing to read it. "
                                          "HINT: run ft-checkpoint verify")
@@ -313,10 +314,14 @@ def newest_verified(storage: Storage, candidates: Iterable[int], on_bytes: OnByt
     return None
 
 
-def apply_gc(storage: Storage, plan: GcPlan, *, on_deleted: Callable[[int], None] | None = None) -> None:
+def apply_gc(storage: Storage, plan: GcPlan, *, on_deleted: Callable[[int], None] | None = None) -> list[int]:
     """Delete the steps of ``plan``, each manifest first (a crash halfway leaves garbage, not a bad commit);
-    ``on_deleted(1)`` after each step."""
+    returns the steps deleted, calling ``on_deleted(1)`` after each. A step directory swapped for a symbolic link
+    since the plan is left alone, and so is everything it points to (see ``layout.delete_step``)."""
+    deleted = []
     for step in plan.delete:
-        layout.delete_step(storage, step)
+        if layout.delete_step(storage, step):
+            deleted.append(step)
         if on_deleted is not None:
             on_deleted(1)
+    return deleted

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from ft_checkpoint import __version__
 from ft_checkpoint.errors import FTCheckpointError
 from ft_checkpoint.progress import Progress
-from ft_checkpoint.units import DURATION_EXAMPLES, human_bytes, human_seconds, parse_duration, plural, short
+from ft_checkpoint.units import DURATION_EXAMPLES, human_bytes, human_seconds, parse_duration, plural, printable, short
 
 if TYPE_CHECKING:
     from ft_checkpoint.signing import Signer
@@ -242,8 +242,18 @@ def _simulate_row(m: float, d: float, w: dict[str, Any], policies: Any) -> str:
 
 # -- checkpoint directories ----------------------------------------------------------------------
 def utc(t: float | None) -> str:
-    """An epoch time as ``2026-11-29 12:00:01Z`` (``-`` for None)."""
-    return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(t))
+    """An epoch time as ``2026-11-29 12:00:01Z`` (``-`` for None); a number no calendar holds says so.
+
+    Example:
+        >>> utc(1795910400), utc(1e300)
+        ('2026-11-29 00:00:00Z', '1e+300 (not a date)')
+    """
+    if t is None:
+        return "-"
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(t))
+    except (OverflowError, OSError, ValueError):  # a manifest's time is any finite number
+        return f"{t:g} (not a date)"
 
 
 def open_storage(url: str | None) -> Storage:
@@ -290,8 +300,9 @@ def table(header: list[str], rows: list[list[str]], align: str) -> list[str]:
 
 
 def emit(args: argparse.Namespace, data: Any, lines: list[str]) -> None:
-    """Print ``data`` as JSON with ``--json``, else the human ``lines``."""
-    print(json.dumps(data) if args.json else "\n".join(lines))
+    """Print ``data`` as JSON with ``--json``, else the human ``lines`` (control characters escaped: names and
+    versions come from files anyone who can write the directory may have forged)."""
+    print(json.dumps(data) if args.json else "\n".join(printable(line) for line in lines))
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -445,17 +456,19 @@ def cmd_gc(args: argparse.Namespace) -> int:
     with Progress("gc: verifying the newest step", newest.bytes if newest else 0) as progress:
         plan = plan_gc(storage, keep_last=args.keep, keep_every_n_steps=args.keep_every, on_bytes=progress.update,
                        signer=signer)
+    deleted = plan.delete
     if not args.dry_run:
         with Progress("gc: deleting", len(plan.delete), unit="step") as progress:
-            apply_gc(storage, plan, on_deleted=progress.update)
+            deleted = apply_gc(storage, plan, on_deleted=progress.update)  # a step swapped for a link is left alone
+    kept = sorted(set(plan.keep) | (set(plan.delete) - set(deleted)))
     verb = "would delete" if args.dry_run else "deleted"
     milestones = f" and every multiple of {args.keep_every}" if args.keep_every else ""
     protected = f"; never deletes step {plan.protected}, the newest that verifies" if plan.protected is not None \
         else "; no step verifies"
     lines = [f"{plan.url}: keep the newest {plural(args.keep, 'committed step')}{milestones}{protected}",
-             f"{verb}: {', '.join(f'step {s}' for s in plan.delete) or 'nothing'}",
-             f"{'keeps' if args.dry_run else 'kept'}: {', '.join(f'step {s}' for s in plan.keep) or 'nothing'}"]
-    emit(args, {**plan.to_dict(), "dry_run": args.dry_run}, lines)
+             f"{verb}: {', '.join(f'step {s}' for s in deleted) or 'nothing'}",
+             f"{'keeps' if args.dry_run else 'kept'}: {', '.join(f'step {s}' for s in kept) or 'nothing'}"]
+    emit(args, {**plan.to_dict(), "delete": deleted, "keep": kept, "dry_run": args.dry_run}, lines)
     return 0
 
 
@@ -650,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _error(command: str, message: str, code: int = 2) -> int:
     """Print ``ft-checkpoint COMMAND: error: MESSAGE`` as one line on stderr; return ``code``."""
-    print(f"ft-checkpoint {command}: error: {' '.join(message.split())}", file=sys.stderr)
+    print(f"ft-checkpoint {command}: error: {printable(' '.join(message.split()))}", file=sys.stderr)
     return code
 
 
@@ -659,7 +672,7 @@ class _StderrWarnings(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            print(f"ft-checkpoint: {record.levelname.lower()}: {record.getMessage()}", file=sys.stderr)
+            print(f"ft-checkpoint: {record.levelname.lower()}: {printable(record.getMessage())}", file=sys.stderr)
         except Exception:
             self.handleError(record)
 

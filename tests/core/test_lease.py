@@ -312,7 +312,6 @@ GARBAGE = {
     "heartbeat NaN": lease_bytes(heartbeat=float("nan")),
     "heartbeat Infinity": lease_bytes(heartbeat=float("inf")),
     "heartbeat 1e400": lease_bytes().replace(b'"heartbeat": ', b'"heartbeat": 1e400, "x": '),
-    "heartbeat in the future": lease_bytes(heartbeat=time.time() + 10 * 86400),
     "heartbeat a bool": lease_bytes(heartbeat=True),
     "pid x": lease_bytes(pid="x"),
     "pid 2.0": lease_bytes(pid=2.0),
@@ -349,7 +348,7 @@ def test_a_garbage_lease_warns_blocks_while_recent_and_yields_to_force(name, kin
         new.release()
 
 
-@pytest.mark.parametrize("name", ["not json", "heartbeat NaN", "heartbeat in the future", "pid x"])
+@pytest.mark.parametrize("name", ["not json", "heartbeat NaN", "huge", "pid x"])
 def test_a_garbage_lease_nobody_rewrites_is_taken_over_once_older_than_the_timeout(name, tmp_path):
     url = str(tmp_path / "ckpt")
     storage = Storage(url)

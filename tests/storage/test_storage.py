@@ -7,7 +7,7 @@ import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
 from ft_checkpoint import layout
-from ft_checkpoint.errors import ConfigError, StorageError, StorageNotFoundError
+from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, StorageError, StorageNotFoundError
 from ft_checkpoint.storage import Storage, is_transient
 
 
@@ -44,6 +44,26 @@ def test_exists_and_delete(storage):
     storage.delete_empty_dir("d")
     assert storage.listdir("d") == [] and "d" not in storage.listdir("")
     storage.delete_file("never-existed")  # not an error
+
+
+def test_read_control_reads_a_small_file_whole_and_refuses_a_larger_one(storage):
+    storage.write_bytes("c/manifest.json", b"x" * 100)
+    assert storage.read_control("c/manifest.json", max_bytes=100) == b"x" * 100
+    with pytest.raises(CheckpointCorruptError, match=r"c/manifest.json: larger than the 99 bytes .*refusing"):
+        storage.read_control("c/manifest.json", max_bytes=99)
+    with pytest.raises(StorageNotFoundError):
+        storage.read_control("c/missing.json", max_bytes=10)
+
+
+def test_delete_directory_deletes_its_files_and_leaves_a_subdirectory(storage):
+    for name in ("s/manifest.json", "s/a.bin", "s/b.bin", "t/a.bin"):
+        storage.write_bytes(name, b"1")
+    assert storage.delete_directory("s", first="manifest.json")
+    assert storage.listdir("") == ["t"]
+    storage.write_bytes("t/sub/kept", b"2")
+    assert not storage.delete_directory("t")
+    assert storage.listdir("t") == ["sub"] and storage.read_bytes("t/sub/kept") == b"2"
+    assert storage.delete_directory("never-existed")
 
 
 def test_delete_is_literal_never_a_pattern(storage):
@@ -270,3 +290,46 @@ def test_memory_store_lists_a_directory_while_other_threads_write_and_delete_in_
             w.join()
         sys.setswitchinterval(interval)
     assert not errors, errors[0]
+
+
+def test_memory_store_two_threads_verifying_the_same_good_step_both_find_it_intact():
+    """Every open of a ``memory://`` file returned the one shared file object: two readers moved each other's
+    position, and a good step was reported corrupt (2 to 3 checks in 8), so a resume could set it aside."""
+    import sys
+    import threading
+    import uuid
+
+    import torch
+
+    from ft_checkpoint import CheckpointManager
+
+    url = f"memory://two-readers-{uuid.uuid4().hex}"
+    with CheckpointManager(url, interval=1) as ckpt:
+        ckpt.save(1, {"w": torch.arange(3_000_000, dtype=torch.float32), "b": torch.ones(1000)}, block=True)
+    storage = Storage(url)
+    results: list[list[str]] = []
+
+    def verify():
+        for _ in range(8):
+            results.append(layout.check_step(storage, 1, checksums=True).problems)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # threads switch often: a shared position shows at once
+    try:
+        workers = [threading.Thread(target=verify) for _ in range(2)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert len(results) == 16 and all(problems == [] for problems in results), [p for p in results if p]
+
+
+def test_memory_store_each_open_has_its_own_position():
+    s = Storage(f"memory://positions-{__import__('uuid').uuid4().hex}")
+    s.write_bytes("f.bin", b"0123456789")
+    with s.open_read("f.bin") as a, s.open_read("f.bin") as b:
+        assert a.read(4) == b"0123"
+        assert b.read(4) == b"0123", "a second reader started where the first one stopped"
+        assert a.read() == b"456789"

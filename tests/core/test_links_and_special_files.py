@@ -1,0 +1,288 @@
+"""A hostile or broken checkpoint directory, round 2 (issue 21): deleting never goes through a symbolic link,
+even one swapped in between the listing and the delete; special files (FIFOs, directories, links to devices)
+in the place of a control file never block; a lease from the future is stale. Each test builds the attack
+for real (real links, real FIFOs, a real manager) and asserts the safe outcome."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import resource
+import shutil
+import threading
+import time
+
+import pytest
+
+from ft_checkpoint import CheckpointManager, layout, retention
+from ft_checkpoint.errors import LeaseError
+from ft_checkpoint.journal import read_journal
+from ft_checkpoint.storage import Storage
+from ft_checkpoint.tools.catalog import apply_gc, plan_gc
+from tests.cli.conftest import cli
+from tests.helpers.toy import make
+
+HANG_GUARD = 30.0
+"""Seconds a call that must not block may take before the test fails (far more than any of them needs)."""
+
+
+@contextlib.contextmanager
+def memory_guard(extra: int = 2 << 30):
+    """Cap this process's address space at its current size plus ``extra`` bytes: a regression that reads
+    ``/dev/zero`` whole fails with MemoryError instead of exhausting a shared machine."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/status") as f:
+        size = int(next(line for line in f if line.startswith("VmSize:")).split()[1]) * 1024
+    cap = size + extra if hard == resource.RLIM_INFINITY else min(size + extra, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def within_guard(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` on a daemon thread; fails the test if it has not returned after HANG_GUARD (or
+    if it reads gigabytes: see memory_guard)."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # handed to the test's thread below
+            out["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    with memory_guard():
+        thread.start()
+        thread.join(HANG_GUARD)
+    assert not thread.is_alive(), f"{getattr(fn, '__name__', fn)} still blocked after {HANG_GUARD:.0f} s"
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
+# -- 1. deletion never goes through a link, even in a race ---------------------------------------
+def victim_run(tmp_path) -> tuple[str, dict[str, bytes]]:
+    """Another run's committed step, outside our directory: its path and every file it holds."""
+    other = str(tmp_path / "other-run")
+    with CheckpointManager(other, interval=1) as ckpt:
+        ckpt.save(50, make(seed=7), block=True)
+    victim = os.path.join(other, layout.step_dir(50))
+    files = {}
+    for name in os.listdir(victim):
+        with open(os.path.join(victim, name), "rb") as f:
+            files[name] = f.read()
+    return victim, files
+
+
+def swap_for_link(url: str, step: int, target: str) -> None:
+    """Replace the step directory ``step`` of ``url`` by a symbolic link to ``target``."""
+    path = os.path.join(url, layout.step_dir(step))
+    shutil.rmtree(path)
+    os.symlink(target, path)
+
+
+def assert_intact(victim: str, files: dict[str, bytes]) -> None:
+    assert sorted(os.listdir(victim)) == sorted(files), "files of the other run were deleted through the link"
+    for name, data in files.items():
+        with open(os.path.join(victim, name), "rb") as f:
+            assert f.read() == data, f"{name} of the other run was changed"
+
+
+def test_gc_never_deletes_through_a_step_directory_swapped_for_a_link_after_its_plan(tmp_path, caplog):
+    victim, files = victim_run(tmp_path)
+    ours = str(tmp_path / "ours")
+    with CheckpointManager(ours, interval=1) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, make(), block=True)
+    storage = Storage(ours)
+    plan = plan_gc(storage, keep_last=1)
+    assert plan.delete == [1, 2]
+    swap_for_link(ours, 1, victim)  # between the plan and the delete
+    deleted = apply_gc(storage, plan)
+    assert_intact(victim, files)
+    assert deleted == [2], "gc says it deleted a step it did not"
+    assert os.path.islink(os.path.join(ours, layout.step_dir(1))), "the link itself is not ours to delete either"
+    assert not os.path.exists(os.path.join(ours, layout.step_dir(2)))
+    assert "symbolic link" in caplog.text
+
+
+def test_retention_after_a_commit_never_deletes_through_a_link_swapped_in_after_its_plan(tmp_path, monkeypatch,
+                                                                                           caplog):
+    victim, files = victim_run(tmp_path)
+    ours = str(tmp_path / "ours")
+    plan = retention.plan_deletions
+
+    def plan_then_swap(*args, **kwargs):  # the real plan; then the attacker's swap, before the deletes
+        doomed = plan(*args, **kwargs)
+        if 1 in doomed:
+            swap_for_link(ours, 1, victim)
+        return doomed
+
+    monkeypatch.setattr(retention, "plan_deletions", plan_then_swap)
+    with CheckpointManager(ours, interval=1, keep_last=1) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, make(), block=True)
+            ckpt.wait(retention=True)
+    assert_intact(victim, files)
+    assert sorted(layout.list_steps(Storage(ours))) == [3]
+    assert "symbolic link" in caplog.text
+
+
+def test_delete_step_removes_links_and_fifos_inside_a_step_but_never_their_targets(tmp_path):
+    victim, files = victim_run(tmp_path)
+    ours = str(tmp_path / "ours")
+    with CheckpointManager(ours, interval=1) as ckpt:
+        ckpt.save(1, make(), block=True)
+    step = os.path.join(ours, layout.step_dir(1))
+    for name in files:
+        os.symlink(os.path.join(victim, name), os.path.join(step, "link-" + name))
+    os.symlink(victim, os.path.join(step, "link-to-dir"))
+    os.mkfifo(os.path.join(step, "fifo"))
+    assert layout.delete_step(Storage(ours), 1)
+    assert not os.path.lexists(step)
+    assert_intact(victim, files)
+
+
+# -- 5. special files never block ---------------------------------------------------------------
+def plant(path: str, kind: str) -> None:
+    """Put a special file named ``path`` in place of whatever is there."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "link to /dev/zero":
+        os.symlink("/dev/zero", path)
+    elif kind == "directory":
+        os.makedirs(os.path.join(path, "kept"))
+    elif kind == "sparse 1 GiB":
+        with open(path, "wb") as f:
+            f.truncate(1 << 30)
+
+
+def two_saved_steps(url: str) -> None:
+    with CheckpointManager(url, interval=1) as ckpt:
+        ckpt.save(1, make(), block=True)
+        ckpt.save(2, make(), block=True)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero", "directory", "sparse 1 GiB"])
+def test_a_manifest_that_is_no_small_regular_file_is_skipped_by_ls_verify_inspect_and_resume(tmp_path, kind, caplog):
+    url = str(tmp_path / "ckpt")
+    two_saved_steps(url)
+    plant(os.path.join(url, layout.step_dir(2), layout.MANIFEST), kind)
+    reason = "larger than" if kind.startswith("sparse") else "not a regular file"
+
+    ls = cli("ls", url, "--json", timeout=HANG_GUARD)
+    assert ls.returncode == 0, ls.stderr
+    steps = {s["step"]: s for s in json.loads(ls.stdout)["steps"]}
+    assert steps[1]["status"] == "committed" and steps[2]["status"] == "corrupt"
+    assert reason in steps[2]["reason"]
+    verify = cli("verify", url, "--all", timeout=HANG_GUARD)
+    assert verify.returncode == 1 and reason in verify.stdout, verify.stdout + verify.stderr
+    inspect = cli("inspect", url, "--step", "2", timeout=HANG_GUARD)
+    assert inspect.returncode == 2 and reason in inspect.stderr, inspect.stderr
+    assert cli("inspect", url, timeout=HANG_GUARD).returncode == 0
+
+    caplog.set_level(logging.WARNING, logger="ft_checkpoint")
+    with within_guard(CheckpointManager, url) as ckpt:
+        assert within_guard(ckpt.resume, make(seed=9)) == 1
+    assert reason in next(r.getMessage() for r in caplog.records if "skipping step 2" in r.getMessage())
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero", "directory"])
+def test_a_lease_that_is_no_regular_file_refuses_clearly_and_force_takeover_replaces_it(tmp_path, kind):
+    url = str(tmp_path / "ckpt")
+    os.makedirs(url)
+    lease = os.path.join(url, "lease.json")
+    plant(lease, kind)
+    with pytest.raises(LeaseError, match=r"not a regular file.*HINT: .*force_takeover=True"):
+        within_guard(CheckpointManager, url)
+    with within_guard(CheckpointManager, url, interval=1, force_takeover=True) as ckpt:
+        ckpt.save(1, make(), block=True)
+        with open(lease) as f:
+            assert json.load(f)["attempt"] == ckpt.journal.attempt
+    if kind == "directory":  # moved aside, never deleted
+        aside = [n for n in os.listdir(url) if n.startswith("lease.json.")]
+        assert len(aside) == 1 and os.listdir(os.path.join(url, aside[0])) == ["kept"]
+
+
+def test_fifos_in_the_journal_are_skipped_with_a_warning(tmp_path, caplog):
+    url = str(tmp_path / "ckpt")
+    with CheckpointManager(url, interval=1) as ckpt:
+        ckpt.save(1, make(), block=True)
+        attempt = ckpt.journal.attempt
+    where = os.path.join(url, layout.JOURNAL_DIR, attempt)
+    for name in ("000099-commit.json", "progress.json"):
+        plant(os.path.join(where, name), "fifo")
+    caplog.set_level(logging.WARNING, logger="ft_checkpoint")
+    events = within_guard(read_journal, Storage(url))
+    assert [e["event"] for e in events][:1] == ["attempt_start"] and "commit" in [e["event"] for e in events]
+    warned = [r.getMessage() for r in caplog.records if "skipping the unreadable journal entry" in r.getMessage()]
+    assert any("000099-commit.json" in w and "not a regular file" in w for w in warned), warned
+    with within_guard(CheckpointManager, url, interval="adaptive"):  # reads the journal's attempts at start
+        pass
+    report = cli("report", url, timeout=HANG_GUARD)
+    assert report.returncode == 0 and "not a regular file" in report.stderr, report.stderr
+
+
+# -- 7. a lease from the future is no lock forever ----------------------------------------------
+YEAR_2100 = 4102444800.0
+
+
+def plant_lease(url: str, *, heartbeat: float, mtime: float | None = None, garbage: bool = False) -> None:
+    """Another host's lease in ``url`` (or an unreadable one), written at ``mtime``."""
+    os.makedirs(url, exist_ok=True)
+    path = os.path.join(url, "lease.json")
+    record = {"attempt": "old", "host": "node-a", "pid": 1, "job": None, "heartbeat": heartbeat}
+    with open(path, "w") as f:
+        f.write("owner: node-a" if garbage else json.dumps(record))
+    if mtime is not None:
+        os.utime(path, (mtime, mtime))
+
+
+@pytest.mark.parametrize("case", ["heartbeat in 2100", "heartbeat and mtime in 2100", "unreadable, mtime in 2100"])
+def test_a_lease_from_the_future_is_stale_and_the_takeover_says_why(tmp_path, case, caplog):
+    url = str(tmp_path / "ckpt")
+    plant_lease(url, heartbeat=YEAR_2100, mtime=None if case == "heartbeat in 2100" else YEAR_2100,
+                garbage=case.startswith("unreadable"))
+    caplog.set_level(logging.INFO, logger="ft_checkpoint.lease")
+    with CheckpointManager(url, interval=1) as ckpt:
+        ckpt.save(1, make(), block=True)
+    taken = next(r.getMessage() for r in caplog.records if "taking over the checkpoint lease" in r.getMessage())
+    assert "in the future, beyond the clock-skew tolerance of 60 s: stale" in taken, taken
+
+
+def test_a_heartbeat_a_little_ahead_is_clock_skew_and_the_refusal_never_says_minus_seconds_ago(tmp_path):
+    url = str(tmp_path / "ckpt")
+    plant_lease(url, heartbeat=time.time() + 40)  # another host's clock, 40 s ahead: its owner may be alive
+    with pytest.raises(LeaseError, match=r"last heartbeat \d+ s in the future \(clock skew") as e:
+        CheckpointManager(url)
+    assert "-" not in str(e.value).split("last heartbeat")[1].split("s in the future")[0]
+
+
+def test_a_resume_never_sets_aside_the_manifest_of_a_step_swapped_for_a_link_after_its_check(tmp_path, monkeypatch,
+                                                                                               caplog):
+    victim, files = victim_run(tmp_path)
+    ours = str(tmp_path / "ours")
+    two_saved_steps(ours)
+    with open(os.path.join(ours, layout.step_dir(2), layout.MANIFEST), "w") as f:
+        f.write("{garbled")  # step 2 is corrupt now: a resume skips it and sets it aside
+    quarantine = layout.quarantine
+
+    def swap_then_quarantine(storage, steps):  # the attacker's swap, between the check and the rename
+        steps = list(steps)
+        if 2 in steps:
+            swap_for_link(ours, 2, victim)
+        quarantine(storage, steps)
+
+    monkeypatch.setattr(layout, "quarantine", swap_then_quarantine)
+    with CheckpointManager(ours) as ckpt:
+        assert ckpt.resume(make(seed=9)) == 1
+    assert_intact(victim, files)
+    assert "nothing is renamed through it" in caplog.text
