@@ -273,10 +273,13 @@ class CheckpointEngine:
                            gather=True)[0]
 
     def _clear(self, stats: SaveStats, listener: SaveListener | None) -> None:
-        """Rank 0: delete what an interrupted save of this step left behind."""
+        """Rank 0: delete what an interrupted save of this step left behind (a link planted in its place: the link,
+        never its target); SaveError if something is left that the save would write through."""
         if listener is not None:
             listener.check_writable(stats)
-        layout.delete_step(self.storage, stats.step)
+        if not layout.delete_step(self.storage, stats.step, before_write=True):
+            raise SaveError(f"{self.storage.url_of(layout.step_dir(stats.step))} could not be cleared before the save "
+                            "(see the warning above); nothing was written there")
 
     def _commit(self, stats: SaveStats, files: dict[str, layout.FileEntry], fields: dict[str, Any],
                 listener: SaveListener | None) -> int:

@@ -384,13 +384,14 @@ def _checksum_problem(storage: Storage, rel: str, entry: FileEntry, on_bytes: On
 
 
 # -- deleting and setting aside ----------------------------------------------------------------
-def delete_step(storage: Storage, step: int) -> bool:
+def delete_step(storage: Storage, step: int, *, before_write: bool = False) -> bool:
     """Delete one step directory: its manifest first (a crash halfway leaves garbage, never a broken
     commit), then every other file its own listing holds, by its literal name, then the empty directory;
     returns whether it is gone. Nothing is expanded as a pattern and no symbolic link is followed, even one
     swapped in for the directory after it was listed (see ``Storage.delete_directory``); a subdirectory
-    (never ours) is left alone."""
-    return storage.delete_directory(step_dir(step), first=MANIFEST)
+    (never ours) is left alone. ``before_write`` (a save about to write this step): a symbolic link planted in
+    the step directory's place is removed itself, so that the save never writes through it."""
+    return storage.delete_directory(step_dir(step), first=MANIFEST, unlink_link=before_write)
 
 
 def quarantine(storage: Storage, steps: Iterable[int]) -> None:

@@ -136,9 +136,12 @@ def rename(root: str, rel: str, new_rel: str, *, url: str) -> None:
                                      "is renamed through it") from e
 
 
-def delete_directory(root: str, rel: str, *, first: str | None, url_of: Callable[[str], str]) -> bool:
+def delete_directory(root: str, rel: str, *, first: str | None, url_of: Callable[[str], str],
+                     unlink_link: bool = False) -> bool:
     """Empty and remove ``root/rel`` (``first`` unlinked before the other names of its own listing), never through
-    a link; subdirectories are left, with a warning. Returns whether it is gone (see ``Storage.delete_directory``).
+    a link; subdirectories are left, with a warning. Returns whether it is gone (see ``Storage.delete_directory``);
+    a missing parent means there is nothing to delete. ``unlink_link``: a symbolic link in place of ``rel`` is
+    removed itself (its target untouched), for a writer about to create ``rel``.
 
     Example:
         >>> import tempfile
@@ -146,8 +149,12 @@ def delete_directory(root: str, rel: str, *, first: str | None, url_of: Callable
         >>> os.symlink("/etc", os.path.join(root, "step", "l"))   # a link inside the step: removed, /etc is not
         >>> delete_directory(root, "step", first=None, url_of=str), os.listdir(root), os.path.isdir("/etc")
         (True, [], True)
+        >>> delete_directory(root, "no/such/step", first=None, url_of=str)
+        True
     """
     parent_rel, name = posixpath.split(rel)
+    if not os.path.isdir(os.path.join(root, parent_rel)):  # nothing to delete (a link here fails below, unfollowed)
+        return True
     with open_directory(root, parent_rel) as parent:
         try:
             directory = os.open(name, _DIRECTORY, dir_fd=parent)
@@ -156,6 +163,11 @@ def delete_directory(root: str, rel: str, *, first: str | None, url_of: Callable
         except OSError as e:
             if e.errno not in _NOT_A_DIRECTORY:
                 raise
+            if unlink_link and stat.S_ISLNK(os.lstat(name, dir_fd=parent).st_mode):
+                log.warning("removed %s: a symbolic link in place of a step directory about to be written (its "
+                            "target is untouched)", url_of(rel))
+                os.unlink(name, dir_fd=parent)
+                return True
             log.warning("left %s in place: it is a symbolic link or not a directory (swapped in after it was "
                         "listed?); nothing is deleted through it", url_of(rel))
             return False

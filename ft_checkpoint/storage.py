@@ -634,7 +634,7 @@ class Storage:
         else:
             self._call("rename", rel, self.fs.mv, self.path(rel), self.path(new_rel))
 
-    def delete_directory(self, rel: str, *, first: str | None = None) -> bool:
+    def delete_directory(self, rel: str, *, first: str | None = None, unlink_link: bool = False) -> bool:
         """Delete the directory ``rel``: the file ``first`` (if given) before the others, then every other name
         its own listing holds, one by one, then the directory itself; a subdirectory is left in place (with a
         warning), and so is ``rel``. Returns whether ``rel`` is gone.
@@ -642,7 +642,8 @@ class Storage:
         Never through a symbolic link, even one swapped in after the caller listed ``rel``: on local disk the
         directory is opened without following a link (a link or anything but a directory in its place is left
         alone, with a warning), and each name is listed, unlinked and the directory removed relative to that
-        open directory, so a link inside it is removed itself, never its target.
+        open directory, so a link inside it is removed itself, never its target. ``unlink_link``: a link in place
+        of ``rel`` itself is removed (never its target), for a writer about to create ``rel``.
 
         Example:
             >>> s = Storage("memory://doc/delete-dir")
@@ -651,7 +652,8 @@ class Storage:
             (True, [])
         """
         if self.is_local:
-            return self._call("delete", rel, nofollow.delete_directory, self.root, rel, first=first, url_of=self.url_of)
+            return self._call("delete", rel, nofollow.delete_directory, self.root, rel, first=first, url_of=self.url_of,
+                              unlink_link=unlink_link)
         names = sorted(self.entries(rel).items(), key=lambda item: item[0] != first)
         for name, entry in names:
             if entry.kind == "directory":

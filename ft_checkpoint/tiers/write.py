@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 
 from ft_checkpoint import layout, shards
 from ft_checkpoint.engine import versions
+from ft_checkpoint.errors import SaveError
 from ft_checkpoint.staging import _is_dtensor
 from ft_checkpoint.storage import Storage
 
@@ -62,7 +63,8 @@ def write_rank_step(storage: Storage, step: int, tensors: Mapping[str, torch.Ten
     deleted first. Buffered writes (no ``O_DIRECT``): a resume reads the files back from the page cache.
     """
     rel = layout.step_dir(step)
-    layout.delete_step(storage, step)
+    if not layout.delete_step(storage, step, before_write=True):
+        raise SaveError(f"{storage.url_of(rel)} could not be cleared before the save (see the warning above)")
     writer = shards.ShardWriter(storage, rel, rank=0, writers=writers)
     dcp.save(dict(tensors), storage_writer=writer, no_dist=True)
     name = layout.rank_file(0)

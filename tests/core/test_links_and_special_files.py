@@ -286,3 +286,21 @@ def test_a_resume_never_sets_aside_the_manifest_of_a_step_swapped_for_a_link_aft
         assert ckpt.resume(make(seed=9)) == 1
     assert_intact(victim, files)
     assert "nothing is renamed through it" in caplog.text
+
+
+def test_a_save_never_writes_through_a_link_planted_in_place_of_its_step_directory(tmp_path):
+    """Someone who can write the directory links ``step_000000000002`` to a directory of another run before the
+    save of step 2: the save used to write its shard, rank and manifest files through the link (into the victim's
+    directory). Now the link itself is removed (never its target) and the step is written in a real directory."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("other run")
+    url = str(tmp_path / "ckpt")
+    state = make(seed=0)
+    with CheckpointManager(url, interval=1, announce=False) as ckpt:
+        ckpt.save(1, state, block=True)
+        os.symlink(victim, os.path.join(url, layout.step_dir(2)))
+        ckpt.save(2, state, block=True)
+    assert sorted(os.listdir(victim)) == ["keep.txt"] and (victim / "keep.txt").read_text() == "other run"
+    step2 = os.path.join(url, layout.step_dir(2))
+    assert not os.path.islink(step2) and layout.check_step(Storage(url), 2).ok
