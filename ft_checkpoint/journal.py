@@ -77,6 +77,9 @@ class Journal:
         self._note_fd: int | None = None
         self.save_cost: float | None = None
         """What a save last cost the training (seconds), carried in the progress note for the next attempt."""
+        self.fast_step: int | None = None
+        """The newest step this attempt committed to the fast tier, carried in the progress note: the next attempt
+        tells a failure that lost every node's fast tier from one that came before any fast-tier save."""
 
     @property
     def notes_every_step(self) -> bool:
@@ -128,7 +131,8 @@ class Journal:
 
     def _note(self, step: int | None) -> bytes:
         """The progress note, padded with spaces to :data:`NOTE_BYTES` (one size: a rewrite in place leaves no tail)."""
-        body = json.dumps({"step": step, "time": time.time(), "attempt": self.attempt, "save_cost": self.save_cost})
+        body = json.dumps({"step": step, "time": time.time(), "attempt": self.attempt, "save_cost": self.save_cost,
+                           "fast_step": self.fast_step})
         return body.ljust(NOTE_BYTES).encode()
 
     def _write_progress(self, step: int | None) -> None:
@@ -247,7 +251,8 @@ def parse_progress(data: bytes, *, attempt: str, now: float | None = None) -> di
     """An attempt's progress note (``step``, ``time``, ``save_cost``); ValueError naming what is wrong."""
     note = jsonfile.load_object(data)
     _check_time(note, attempt, now)
-    jsonfile.get_int(note, "step", minimum=0, maximum=10**12 - 1, optional=True)
+    for key in ("step", "fast_step"):
+        jsonfile.get_int(note, key, minimum=0, maximum=10**12 - 1, optional=True)
     cost = jsonfile.get_number(note, "save_cost", minimum=0, maximum=MAX_SAVE_COST, optional=True)
     if cost == 0:
         raise ValueError("save_cost=0: a save costs something; expected a measured number of seconds")
@@ -322,8 +327,17 @@ class JournalReader:
             end = max(last["time"], progress["time"]) if progress else last["time"]
             out.append({"attempt": attempt, "start": attempt_start_time(attempt), "end": end, "ended": ended,
                         "last_step": progress.get("step") if progress else None,
-                        "save_cost": progress.get("save_cost") if progress else None})
+                        "save_cost": progress.get("save_cost") if progress else None,
+                        "fast_step": progress.get("fast_step") if progress else None,
+                        "failure_class": self._failure_class(attempt, events)})
         return out
+
+    def _failure_class(self, attempt: str, names: list[str]) -> str | None:
+        """What the attempt's resume found in the fast tier (its ``failure_class``), or None."""
+        resume = next((n for n in names if (m := _EVENT_RE.match(n)) and m.group(1) == "resume"), None)
+        event = self._event(attempt, resume) if resume is not None else None
+        found = event.get("failure_class") if event is not None else None
+        return found if isinstance(found, str) else None
 
     def _event(self, attempt: str, name: str) -> dict[str, Any] | None:
         return self._load(f"{JOURNAL_DIR}/{attempt}/{name}", lambda data: parse_event(data, attempt=attempt, now=self.now))
@@ -380,7 +394,9 @@ def newest_recorded_step(storage: Storage) -> tuple[int, str] | None:
 def attempt_summaries(storage: Storage) -> list[dict[str, Any]]:
     """Per attempt, oldest first: ``attempt``, ``start``, ``end`` (time of its last sign of life),
     ``ended`` (cleanly or by an announced preemption), ``last_step`` (its last progress note, or
-    None) and ``save_cost`` (what a save cost it, if measured). Costs one listing and a few small
+    None), ``save_cost`` (what a save cost it, if measured), ``fast_step`` (the newest step it committed to
+    the fast tier, if noted) and ``failure_class`` (what its resume found in the fast tier, if recorded).
+    Costs one listing and a few small
     reads per attempt. Files that do not parse, or whose fields have the wrong type or an impossible
     time, are skipped with a warning naming them (an attempt with no readable event is skipped)."""
     return JournalReader(storage).summaries()

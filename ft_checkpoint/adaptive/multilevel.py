@@ -86,28 +86,32 @@ def _waste(t: float, k: int, c: float, d: float, fast_rate: float, durable_rate:
     if rate * (t + max(c, d) + restart) > 700:
         return 1.0  # (almost) no segment ever completes
     restart_time = math.expm1(rate * restart) / rate  # failures during a restart restart it
-    a, g, _ = _segment(t + c, fast_rate, durable_rate, restart_time)
-    a_last, _, p_last = _segment(t + d, fast_rate, durable_rate, restart_time)
-    # E_j = a + (1 - g) E_(j+1) + g E_1 over the k-1 fast segments, E_k = a_last + g_last E_1: solved for E_1
+    a, g, shrink = _segment(t + c, fast_rate, durable_rate, restart_time)
+    a_last, _, _ = _segment(t + d, fast_rate, durable_rate, restart_time)
+    # E_j = a + (1 - g) E_(j+1) + g E_1 over the k-1 fast segments, E_k = a_last + g_last E_1, and 1 - g = p / u:
+    # E_1 = (a ((p/u)^-(k-1) - 1) / g + a_last) u_last / p_last
     if g == 0 or k == 1:
         repeats = float(k - 1)
     else:
-        grow = -(k - 1) * math.log1p(-g)
+        grow = (k - 1) * shrink
         if grow > 700:
             return 1.0
         repeats = math.expm1(grow) / g
-    return max(0.0, 1 - work * p_last / (a * repeats + a_last))
+    x_last = rate * (t + d)
+    u_last = 1 - -math.expm1(-x_last) * fast_rate / rate
+    return max(0.0, 1 - work * math.exp(-x_last) / u_last / (a * repeats + a_last))
 
 
 def _segment(length: float, fast_rate: float, durable_rate: float, restart_time: float) -> tuple[float, float, float]:
-    """For a segment of ``length`` seconds (work and save): ``(a, g, p/u)`` of the recursion
-    ``E = a + (1 - g) E_next + g E_first``, where ``p`` is the chance it completes."""
+    """For a segment of ``length`` seconds (work and save): ``(a, g, -log(1 - g))`` of the recursion
+    ``E = a + (1 - g) E_next + g E_first``, where ``1 - g = p / u``, ``p`` the chance that the segment completes and
+    ``1 - u`` the chance of a failure that repeats only this segment."""
     rate = fast_rate + durable_rate
     x = rate * length
     p, q = math.exp(-x), -math.expm1(-x)
     lost = _lost(x) / rate  # the expected time lost to a failure within the segment, times its chance
-    u = 1 - q * fast_rate / rate  # 1 - the chance of a failure that repeats only this segment
-    return (p * length + lost + q * restart_time) / u, q * durable_rate / rate / u, p / u
+    u = 1 - q * fast_rate / rate
+    return (p * length + lost + q * restart_time) / u, q * durable_rate / rate / u, x + math.log(u)
 
 
 def _lost(x: float) -> float:
