@@ -82,6 +82,16 @@ class ClassRates:
     weight: float = 2.0
     """How many failures the prior shares weigh (the Dirichlet prior's concentration)."""
 
+    def shares_after(self, counts: Mapping[str, float]) -> dict[str, float]:
+        """Each class's expected share of the failures after ``counts`` failures of known class.
+
+        Example:
+            >>> round(ClassRates(FailureModel(prior_mtbf=3600.0)).shares_after({NODE: 8})[NODE], 2)
+            0.84
+        """
+        known = sum(counts.get(c, 0) for c in CLASSES)
+        return {c: (self.weight * self.shares[c] + counts.get(c, 0)) / (self.weight + known) for c in CLASSES}
+
     def estimate(self, counts: Mapping[str, float], failures: float, exposure: float) -> dict[str, float]:
         """Each class's expected rate (per second) after ``failures`` in ``exposure`` seconds, ``counts`` of them of
         known class.
@@ -93,5 +103,4 @@ class ClassRates:
             (1.01, 0.79)
         """
         rate = self.model.estimate(failures, exposure).rate
-        known = sum(counts.get(c, 0) for c in CLASSES)
-        return {c: rate * (self.weight * self.shares[c] + counts.get(c, 0)) / (self.weight + known) for c in CLASSES}
+        return {c: rate * share for c, share in self.shares_after(counts).items()}

@@ -34,10 +34,11 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-from ft_checkpoint.adaptive.interval import daly_interval, expected_waste
-
 MAX_EVERY = 100_000
 """The most fast-tier saves between two durable ones that a plan considers."""
+QUADRATURE = ((-math.sqrt(3), 1 / 6), (0.0, 2 / 3), (math.sqrt(3), 1 / 6))
+"""Gauss-Hermite's three points (in standard deviations) and weights: an average over a normal uncertainty that is
+exact for polynomials up to the 5th degree."""
 _GOLDEN = (math.sqrt(5) - 1) / 2
 
 
@@ -66,6 +67,7 @@ def pattern_waste(fast_interval: float, every: int | None, *, fast_cost: float, 
     (None: never), under the model of the module's docstring.
 
     Example:
+        >>> from ft_checkpoint.adaptive.interval import expected_waste
         >>> w = pattern_waste(3600, 1, fast_cost=1, durable_cost=300, fast_rate=0, durable_rate=1 / 21600)
         >>> round(100 * w, 2) == round(100 * expected_waste(3600, 300, 21600), 2)   # one tier: Daly's eq. 13
         True
@@ -78,7 +80,14 @@ def pattern_waste(fast_interval: float, every: int | None, *, fast_cost: float, 
 
 
 def _waste(t: float, k: int, c: float, d: float, fast_rate: float, durable_rate: float, restart: float) -> float:
-    """:func:`pattern_waste` of valid numbers and a finite ``k``."""
+    """:func:`pattern_waste` of valid numbers and a finite ``k``.
+
+    ``E_j``, the expected time from the start of the ``j``-th of the ``k`` segments (work and save) to the end of the
+    pattern, is ``a + (1 - g) E_(j+1) + g E_1`` for a fast save and ``a_last + g_last E_1`` for the durable one, where
+    for a segment of length ``s``, with ``x = rate s``, ``p = e^-x`` the chance it completes and
+    ``u = 1 - (1 - p) fast_rate / rate``: ``a = (p s + L + (1 - p) R) / u`` (``L``: the time lost to a failure within
+    it, times its chance; ``R``: the restart), ``g = (1 - p) durable_rate / (rate u)``, and ``1 - g = p / u``. So
+    ``E_1 = (a ((u / p)^(k-1) - 1) / g + a_last) u_last / p_last``."""
     rate = fast_rate + durable_rate
     work = k * t
     if rate == 0:
@@ -86,32 +95,21 @@ def _waste(t: float, k: int, c: float, d: float, fast_rate: float, durable_rate:
     if rate * (t + max(c, d) + restart) > 700:
         return 1.0  # (almost) no segment ever completes
     restart_time = math.expm1(rate * restart) / rate  # failures during a restart restart it
-    a, g, shrink = _segment(t + c, fast_rate, durable_rate, restart_time)
-    a_last, _, _ = _segment(t + d, fast_rate, durable_rate, restart_time)
-    # E_j = a + (1 - g) E_(j+1) + g E_1 over the k-1 fast segments, E_k = a_last + g_last E_1, and 1 - g = p / u:
-    # E_1 = (a ((p/u)^-(k-1) - 1) / g + a_last) u_last / p_last
+    share = fast_rate / rate
+    x, x_last = rate * (t + c), rate * (t + d)
+    q, q_last = -math.expm1(-x), -math.expm1(-x_last)
+    u, u_last = 1 - q * share, 1 - q_last * share
+    a = ((1 - q) * (t + c) + _lost(x) / rate + q * restart_time) / u
+    a_last = ((1 - q_last) * (t + d) + _lost(x_last) / rate + q_last * restart_time) / u_last
+    g = q * (1 - share) / u
     if g == 0 or k == 1:
         repeats = float(k - 1)
     else:
-        grow = (k - 1) * shrink
+        grow = (k - 1) * (x + math.log(u))  # (k - 1) log(u / p)
         if grow > 700:
             return 1.0
         repeats = math.expm1(grow) / g
-    x_last = rate * (t + d)
-    u_last = 1 - -math.expm1(-x_last) * fast_rate / rate
     return max(0.0, 1 - work * math.exp(-x_last) / u_last / (a * repeats + a_last))
-
-
-def _segment(length: float, fast_rate: float, durable_rate: float, restart_time: float) -> tuple[float, float, float]:
-    """For a segment of ``length`` seconds (work and save): ``(a, g, -log(1 - g))`` of the recursion
-    ``E = a + (1 - g) E_next + g E_first``, where ``1 - g = p / u``, ``p`` the chance that the segment completes and
-    ``1 - u`` the chance of a failure that repeats only this segment."""
-    rate = fast_rate + durable_rate
-    x = rate * length
-    p, q = math.exp(-x), -math.expm1(-x)
-    lost = _lost(x) / rate  # the expected time lost to a failure within the segment, times its chance
-    u = 1 - q * fast_rate / rate
-    return (p * length + lost + q * restart_time) / u, q * durable_rate / rate / u, x + math.log(u)
 
 
 def _lost(x: float) -> float:
@@ -122,37 +120,54 @@ def _lost(x: float) -> float:
 
 
 def plan_tiers(*, fast_cost: float, durable_cost: float, fast_rate: float, durable_rate: float, restart: float = 0.0,
-               min_fast: float = 0.0, min_durable: float = 0.0, max_durable: float = math.inf) -> TierPlan:
-    """The plan that minimises :func:`pattern_waste`: the fast tier's interval at least ``min_fast``, the durable
-    tier's from ``min_durable`` to ``max_durable`` (each never shorter than a save of that tier takes to commit).
+               spread: float = 0.0, min_fast: float = 0.0, min_durable: float = 0.0,
+               max_durable: float = math.inf) -> TierPlan:
+    """The plan that minimises the expected :func:`pattern_waste`: the fast tier's interval at least ``min_fast``, the
+    durable tier's from ``min_durable`` to ``max_durable`` (each never shorter than a save of that tier takes to
+    commit). ``spread``: how uncertain the rates are, the standard deviation of their log (a common factor, log-normal
+    around the rates given); the waste is then averaged over it (:data:`QUADRATURE`): the Bayes decision, which saves
+    more often than planning for the mean rate would where a higher rate would cost much more than a lower saves.
 
     Example:
         >>> p = plan_tiers(fast_cost=1, durable_cost=60, fast_rate=0, durable_rate=1 / 3600)   # no use for it
         >>> p.every, round(p.expected_waste, 6) == round(p.durable_alone, 6)
         (1, True)
+        >>> unsure = plan_tiers(fast_cost=1, durable_cost=60, fast_rate=0, durable_rate=1 / 3600, spread=1.0)
+        >>> unsure.fast_interval < p.fast_interval
+        True
     """
     _check(fast_interval=1.0, fast_cost=fast_cost, durable_cost=durable_cost, fast_rate=fast_rate,
-           durable_rate=durable_rate, restart=restart, min_fast=min_fast, min_durable=min_durable)
-    total = fast_rate + durable_rate
-    if total <= 0:
+           durable_rate=durable_rate, restart=restart, spread=spread, min_fast=min_fast, min_durable=min_durable)
+    if fast_rate + durable_rate <= 0:
         raise ValueError("no failures at all: the best interval is as long as the job (give a failure rate > 0)")
-    alone = min(max(daly_interval(durable_cost, 1 / total), min_durable, 1e-9), max_durable)
-    durable_alone = expected_waste(alone, durable_cost, 1 / total, restart)
-    if durable_rate == 0 and max_durable == math.inf:
-        t = max(daly_interval(fast_cost, 1 / fast_rate), min_fast, 1e-9)
-        return TierPlan(t, None, _waste(t, 1, fast_cost, fast_cost, fast_rate, 0.0, restart), durable_alone, alone)
+    scale = [(w, math.exp(z * spread)) for z, w in QUADRATURE] if spread > 0 else [(1.0, 1.0)]
+    mean = sum(w * m for w, m in scale)
 
-    def best_interval(k: int) -> tuple[float, float]:
-        """``(T, waste)`` minimising the waste for this ``k`` within the bounds."""
-        lo, hi = max(min_fast, min_durable / k, 1e-9), max(max_durable / k, min_fast, min_durable / k, 1e-9)
-        first = math.sqrt(2 * ((k - 1) * fast_cost + durable_cost) / k / (fast_rate + k * durable_rate))
-        x = _bracketed(lambda x: _waste(math.exp(x), k, fast_cost, durable_cost, fast_rate, durable_rate, restart),
-                       math.log(first), 4.0, math.log(lo), math.log(hi), tol=1e-3)
-        return math.exp(x), _waste(math.exp(x), k, fast_cost, durable_cost, fast_rate, durable_rate, restart)
+    def waste(t: float, k: int, c: float = fast_cost, d: float = durable_cost, fast: float = fast_rate,
+              durable: float = durable_rate) -> float:
+        return sum(w * _waste(t, k, c, d, fast * m, durable * m, restart) for w, m in scale)
+
+    def best_interval(k: int, lo: float, hi: float, first: float, **costs: float) -> tuple[float, float]:
+        """``(T, waste)`` minimising the waste for this ``k`` in ``[lo, hi]``, from the first-order ``first``."""
+        lo, hi = max(lo, 1e-9), max(hi, lo, 1e-9)
+        t = math.exp(_bracketed(lambda x: waste(math.exp(x), k, **costs), math.log(first), 4.0, math.log(lo),
+                                math.log(hi), tol=2e-3))
+        return t, waste(t, k, **costs)
+
+    total = mean * (fast_rate + durable_rate)
+    alone, durable_alone = best_interval(1, min_durable, max_durable, math.sqrt(2 * max(durable_cost, 1e-9) / total),
+                                         c=durable_cost, fast=0.0, durable=fast_rate + durable_rate)
+    if durable_rate == 0 and max_durable == math.inf:  # never durable
+        t, w = best_interval(1, min_fast, math.inf, math.sqrt(2 * max(fast_cost, 1e-9) / total), d=fast_cost)
+        return TierPlan(t, None, w, durable_alone, alone)
+
+    def for_every(k: int) -> tuple[float, float]:
+        first = math.sqrt(2 * ((k - 1) * fast_cost + durable_cost) / k / (mean * (fast_rate + k * durable_rate)))
+        return best_interval(k, max(min_fast, min_durable / k), max_durable / k, first)
 
     first_k = math.sqrt(max(durable_cost - fast_cost, 0.0) * fast_rate / max(fast_cost * durable_rate, 1e-300))
-    k = _argmin_int(lambda k: best_interval(k)[1], min(max(first_k, 1.0), MAX_EVERY))
-    t, w = best_interval(k)
+    k = _argmin_int(lambda k: for_every(k)[1], min(max(first_k, 1.0), MAX_EVERY))
+    t, w = for_every(k)
     return TierPlan(t, k, w, durable_alone, alone)
 
 
@@ -162,26 +177,45 @@ def _bracketed(f: Callable[[float], float], guess: float, width: float, lo: floa
     a, b = max(lo, guess - math.log(width)), min(hi, guess + math.log(width))
     if a >= b:
         return min(max(guess, lo), hi)
-    x = _golden(f, a, b, tol)
+    x = _brent(f, a, b, tol)
     if (x - a < 2 * tol and a > lo) or (b - x < 2 * tol and b < hi):
-        x = _golden(f, max(lo, guess - 50), min(hi, guess + 50), tol)
+        x = _brent(f, max(lo, guess - 50), min(hi, guess + 50), tol)
     return x
 
 
-def _golden(f: Callable[[float], float], a: float, b: float, tol: float = 1e-4) -> float:
-    """The minimum of a unimodal ``f`` on ``[a, b]`` by golden-section search."""
-    c, d = b - _GOLDEN * (b - a), a + _GOLDEN * (b - a)
-    fc, fd = f(c), f(d)
-    while b - a > tol:
-        if fc <= fd:
-            b, d, fd = d, c, fc
-            c = b - _GOLDEN * (b - a)
-            fc = f(c)
+def _brent(f: Callable[[float], float], a: float, b: float, tol: float = 1e-4) -> float:
+    """The minimum of a unimodal ``f`` on ``[a, b]``: Brent's method (parabolic steps through the three best points,
+    a golden-section step where a parabola does not help), to within ``tol``."""
+    x = w = v = b - _GOLDEN * (b - a)
+    fx = fw = fv = f(x)
+    step = last = 0.0
+    for _ in range(100):
+        mid = (a + b) / 2
+        if abs(x - mid) <= 2 * tol - (b - a) / 2:
+            break
+        r, q = (x - w) * (fx - fv), (x - v) * (fx - fw)
+        p, q = (x - v) * q - (x - w) * r, 2 * (q - r)
+        p, q = (-p, -q) if q > 0 else (p, q)
+        q = -q
+        if abs(last) > tol and abs(p) < abs(q * last / 2) and a * q < x * q + p < b * q:
+            last, step = step, p / q  # a parabolic step
+            if (x + step) - a < 2 * tol or b - (x + step) < 2 * tol:
+                step = tol if x < mid else -tol
         else:
-            a, c, fc = c, d, fd
-            d = a + _GOLDEN * (b - a)
-            fd = f(d)
-    return (a + b) / 2
+            last = (a if x >= mid else b) - x
+            step = (1 - _GOLDEN) * last  # a golden-section step
+        u = x + (step if abs(step) >= tol else (tol if step > 0 else -tol))
+        fu = f(u)
+        if fu <= fx:
+            a, b = (a, x) if u < x else (x, b)
+            v, fv, w, fw, x, fx = w, fw, x, fx, u, fu
+        else:
+            a, b = (u, b) if u < x else (a, u)
+            if fu <= fw or w == x:
+                v, fv, w, fw = w, fw, u, fu
+            elif fu <= fv or v in (x, w):
+                v, fv = u, fu
+    return x
 
 
 def _argmin_int(f: Callable[[int], float], guess: float) -> int:
@@ -196,7 +230,7 @@ def _argmin_int(f: Callable[[int], float], guess: float) -> int:
         return cache[k]
 
     k = round(math.exp(_bracketed(lambda x: at(round(math.exp(x))), math.log(guess), 8.0, 0.0, math.log(MAX_EVERY),
-                                  tol=0.02)))
+                                  tol=0.05)))
     while k < MAX_EVERY and at(k + 1) < at(k):
         k += 1
     while k > 1 and at(k - 1) < at(k):

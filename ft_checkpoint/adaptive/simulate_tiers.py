@@ -47,9 +47,10 @@ FIXED = {"1m+1h": (60.0, 3600.0), "1m+3h": (60.0, 10800.0), "10m+1h": (600.0, 36
 """Fixed two-tier schedules: the fast and the durable tier's intervals (seconds), as jobs configure them (the fast
 tier every minute to every few minutes, the durable tier every hour to every few hours)."""
 POLICIES = (*FIXED, "durable alone", "fast alone", "oracle", "ours")
-RATE_GRID = 0.01
-"""Ours, in the simulation, plans with each rate rounded to this relative step (its plans are cached, thousands
-of runs meeting the same few failures): it moves an interval by 0.5% at most, the waste by far less."""
+RATE_GRID, SPREAD_GRID = 0.01, 0.05
+"""Ours, in the simulation, plans with each rate rounded to a relative step of 1% and their uncertainty (the standard
+deviation of their log) to 0.05 (its plans are cached, thousands of runs meeting the same few failures): the
+intervals move by 0.5% at most, the waste by far less."""
 
 
 class _Plan:
@@ -95,8 +96,8 @@ class _Ours:
         self.policy.observe_history(counts, now)
 
 
-def _cached_plan(*, fast_rate: float, durable_rate: float, **costs: float) -> TierPlan:
-    return _plan_on_grid(_grid(fast_rate), _grid(durable_rate), tuple(sorted(costs.items())))
+def _cached_plan(*, fast_rate: float, durable_rate: float, spread: float, **costs: float) -> TierPlan:
+    return _plan_on_grid(_grid(fast_rate), _grid(durable_rate), round(spread / SPREAD_GRID), tuple(sorted(costs.items())))
 
 
 def _grid(rate: float) -> int:
@@ -104,9 +105,9 @@ def _grid(rate: float) -> int:
 
 
 @functools.lru_cache(maxsize=100_000)
-def _plan_on_grid(fast: int, durable: int, costs: tuple[tuple[str, float], ...]) -> TierPlan:
+def _plan_on_grid(fast: int, durable: int, spread: int, costs: tuple[tuple[str, float], ...]) -> TierPlan:
     rate = lambda g: math.exp(g * RATE_GRID) if g > -(10**9) else 0.0  # noqa: E731
-    return plan_tiers(fast_rate=rate(fast), durable_rate=rate(durable), **dict(costs))
+    return plan_tiers(fast_rate=rate(fast), durable_rate=rate(durable), spread=spread * SPREAD_GRID, **dict(costs))
 
 
 def failures(rng: random.Random, mtbf: float, crash: float, shape: float | None = None) -> Iterator[tuple[float, str]]:

@@ -15,7 +15,7 @@ Example:
     (185, 76, 3.9)
     >>> p.observe_history({"process crash": 10}, exposure=20 * 3600.0)   # 10 crashes in 20 h, all process crashes
     >>> round(p.fast.seconds), p.plan.every, round(p.durable.seconds / 3600, 1)
-    (131, 190, 6.9)
+    (128, 191, 6.8)
 """
 
 from __future__ import annotations
@@ -154,18 +154,20 @@ class MultiLevelInterval:
         d = COST_GUESS if d is None else d
         c = min(FAST_COST_GUESS, d / 10) if c is None else c
         exposure = self.past_exposure + (self.clock() - self._attempt_start)
-        rates = self.rates.estimate(self.counts, self.failures, exposure)
-        fast_rate = sum(r for cls, r in rates.items() if cls in self.survives)
-        durable_rate = sum(r for cls, r in rates.items() if cls not in self.survives)
+        est = self.rates.model.estimate(self.failures, exposure)
+        share = sum(v for cls, v in self.rates.shares_after(self.counts).items() if cls in self.survives)
         longest = self.max_seconds if self.cost[DURABLE] is not None else min(self.max_seconds, FIRST_SAVE_BY)
-        plan = self.planner(fast_cost=c, durable_cost=d, fast_rate=fast_rate, durable_rate=durable_rate,
-                            restart=self.restart, min_fast=max(self.min_seconds, self.duration[FAST]),
+        plan = self.planner(fast_cost=c, durable_cost=d, fast_rate=share / est.mtbf, durable_rate=(1 - share) / est.mtbf,
+                            restart=self.restart, spread=est.relative_uncertainty,
+                            min_fast=max(self.min_seconds, self.duration[FAST]),
                             min_durable=max(self.min_seconds, self.duration[DURABLE]), max_durable=longest)
+        fast_rate, durable_rate = share * est.rate, (1 - share) * est.rate  # the rates to expect
         decision = {"fast_interval_s": plan.fast_interval, "durable_interval_s": plan.durable_interval,
                     "durable_every": float(plan.every or math.inf), "fast_cost_s": c, "durable_cost_s": d,
                     "fast_mtbf_s": 1 / fast_rate if fast_rate else math.inf,
                     "durable_mtbf_s": 1 / durable_rate if durable_rate else math.inf,
-                    "exposure_s": exposure, "expected_waste": plan.expected_waste,
+                    "exposure_s": exposure, "rate_uncertainty": est.relative_uncertainty,
+                    "expected_waste": plan.expected_waste,
                     "durable_alone_waste": plan.durable_alone}
         decision.update({f"failures_{cls.replace(' ', '_')}": float(n) for cls, n in self.counts.items()},
                         failures=float(self.failures))
@@ -179,7 +181,9 @@ class MultiLevelInterval:
         with self._lock:
             old = self.plan
             self.plan, self.last_decision = self._decide()
-            if _moved(old.fast_interval, self.plan.fast_interval) or _moved(old.durable_interval, self.plan.durable_interval):
+            moved = _moved(old.fast_interval, self.plan.fast_interval) or _moved(old.durable_interval,
+                                                                                 self.plan.durable_interval)
+            if moved and log.isEnabledFor(logging.INFO):
                 log.info("%s", self.explain(old))
             self._apply(self.plan)
 
@@ -195,11 +199,12 @@ class MultiLevelInterval:
                   for side in (True, False)}
         unknown = self.failures - sum(self.counts.values())
         of_no_class = f", {unknown} of no known class" if unknown else ""
-        return (f"tier intervals: fast {fast}, durable {durable} ({_one_in(p.every)}): save cost c={d['fast_cost_s']:.3g} s "
-                f"fast, d={d['durable_cost_s']:.3g} s durable{guessed}; failures the fast tier survives 1 per "
-                f"{d['fast_mtbf_s'] / 3600:.3g} h ({counts[True]}), the durable tier only 1 per "
-                f"{d['durable_mtbf_s'] / 3600:.3g} h ({counts[False]}{of_no_class}) in {d['exposure_s'] / 3600:.3g} h; expected "
-                f"waste {100 * p.expected_waste:.2f}% (durable tier alone {100 * p.durable_alone:.2f}%)")
+        costs = f"save cost c={d['fast_cost_s']:.3g} s fast, d={d['durable_cost_s']:.3g} s durable{guessed}"
+        rates = (f"failures the fast tier survives 1 per {d['fast_mtbf_s'] / 3600:.3g} h ({counts[True]}), the durable "
+                 f"tier only 1 per {d['durable_mtbf_s'] / 3600:.3g} h ({counts[False]}{of_no_class}) in "
+                 f"{d['exposure_s'] / 3600:.3g} h (rates +/-{100 * d['rate_uncertainty']:.0f}%)")
+        return (f"tier intervals: fast {fast}, durable {durable} ({_one_in(p.every)}): {costs}; {rates}; expected waste "
+                f"{100 * p.expected_waste:.2f}% (durable tier alone {100 * p.durable_alone:.2f}%)")
 
     def describe(self) -> str:
         """When saves come, in words (for the line a run prints at its start)."""

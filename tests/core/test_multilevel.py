@@ -149,7 +149,8 @@ def test_the_plan_is_made_again_after_every_save_and_resume_and_logged_when_it_c
     assert len(lines) == 2, lines
     assert re.fullmatch(r"tier intervals: fast [\d.]+ s -> [\d.]+ s, durable [\d.]+ s -> [\d.]+ s \(1 save in \d+ durable\): "
                         r"save cost c=1 s fast, d=600 s durable; failures the fast tier survives 1 per [\d.]+ h \(process "
-                        r"crash 0, one node lost 0\), the durable tier only 1 per [\d.]+ h \(more 0\) in [\d.e-]+ h; "
+                        r"crash 0, one node lost 0\), the durable tier only 1 per [\d.]+ h \(more 0\) in [\d.e-]+ h \(rates "
+                        r"\+/-\d+%\); "
                         r"expected waste [\d.]+% \(durable tier alone [\d.]+%\)", lines[-1]), lines[-1]
     fresh = p.fast.seconds
     now[0] = 600.0
@@ -194,8 +195,8 @@ def test_a_restart_records_which_failure_the_fast_tier_survived(tmp_path):
     state, step = make(), 0
     for attempt in range(3):
         ckpt = CheckpointManager(url, fast_dirpath=fast, mtbf="2h", announce=False)
-        step = ckpt.resume(state) or step
-        for step in range(step + 1, step + 3):
+        start = ckpt.resume(state) or step
+        for step in range(start + 1, start + 3):
             train_step(state)
             ckpt.save(step, state, block=True)
         if attempt == 2:
