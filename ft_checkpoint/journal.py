@@ -75,6 +75,7 @@ class Journal:
         self._written_step: int | None = None
         self._written_cost: float | None = None
         self._note_fd: int | None = None
+        self._note_lock = threading.Lock()
         self.save_cost: float | None = None
         """What a save last cost the training (seconds), carried in the progress note for the next attempt."""
         self.fast_step: int | None = None
@@ -143,9 +144,21 @@ class Journal:
         except StorageError as e:
             log.warning("could not write journal progress: %s", e)
 
+    def note_fast_step(self, step: int) -> None:
+        """The fast tier committed ``step`` (the background writer): noted at once with the step reached, so that the
+        next attempt tells a failure that lost every node's fast tier from one before any fast-tier save."""
+        self.fast_step = step
+        if self._latest_step is not None:
+            self.progress(self._latest_step, force=True)
+
     def _note_in_place(self, step: int) -> None:
         """Local filesystem: the first note written whole (atomically), each later one over it with one ``pwrite``
-        and no fsync: a few microseconds, and a killed process's last write stays in the page cache."""
+        and no fsync: a few microseconds, and a killed process's last write stays in the page cache. (The training
+        thread and, for a fast-tier commit, the writer thread write it: one at a time.)"""
+        with self._note_lock:
+            self._note_in_place_locked(step)
+
+    def _note_in_place_locked(self, step: int) -> None:
         if self._note_fd is None:
             self._write_progress(step)
             with contextlib.suppress(OSError):
@@ -168,7 +181,8 @@ class Journal:
     def close(self) -> None:
         """Finish pending writes and note the last step reached."""
         self._writer.shutdown(wait=True)
-        self._close_note()
+        with self._note_lock:
+            self._close_note()
         if self.enabled and self._latest_step is not None and (
                 self._latest_step != self._written_step or self.save_cost != self._written_cost):
             self._write_progress(self._latest_step)

@@ -497,7 +497,7 @@ class CheckpointManager:
         """A fast-tier save committed (the writer thread): its step goes into the journal's progress note, and the
         cost of a save to the fast tier only (its stall and the slowdown of the steps while it was written) to the
         fast tier's interval; a save to both tiers is measured when its durable part commits."""
-        self.journal.fast_step = save.step
+        self.journal.note_fast_step(save.step)
         if save.durable:
             return
         cost = self._cost.cost(save.stall)
