@@ -209,8 +209,8 @@ class MultiLevelInterval:
     def describe(self) -> str:
         """When saves come, in words (for the line a run prints at its start)."""
         p = self.plan
-        return (f"multi-level adaptive intervals: the fast tier about every {human_seconds(p.fast_interval)} ("
-                f"durable: {_one_in(p.every)}, about every {human_seconds(p.durable_interval)})")
+        return (f"multi-level adaptive intervals: the fast tier about every {human_seconds(p.fast_interval)}, "
+                f"{_one_in(p.every)} (about every {human_seconds(p.durable_interval)})")
 
     def __repr__(self) -> str:
         return f"MultiLevelInterval(fast {self.fast.seconds:g}s, durable {self.durable.seconds:g}s)"
