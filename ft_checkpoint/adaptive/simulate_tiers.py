@@ -34,13 +34,19 @@ from __future__ import annotations
 import functools
 import math
 import random
-import statistics
 from collections.abc import Iterator
 
 from ft_checkpoint.adaptive.classes import CRASH, NODE
 from ft_checkpoint.adaptive.interval import daly_interval
 from ft_checkpoint.adaptive.multilevel import TierPlan, plan_tiers
-from ft_checkpoint.adaptive.simulate import GIVE_UP, LEARNED_AFTER, REVIEW_GROWTH, failure_times
+from ft_checkpoint.adaptive.simulate import (
+    GIVE_UP,
+    LEARNED_AFTER,
+    REVIEW_GROWTH,
+    failure_times,
+    mean_wastes,
+    waste_fractions,
+)
 from ft_checkpoint.adaptive.tier_policy import DURABLE, FAST, MultiLevelInterval
 
 FIXED = {"1m+1h": (60.0, 3600.0), "1m+3h": (60.0, 10800.0), "10m+1h": (600.0, 3600.0), "10m+3h": (600.0, 10800.0)}
@@ -158,12 +164,7 @@ def _run(policy: _Plan | _Ours, events: Iterator[tuple[float, str]], *, work: fl
             mark = (t, done)
             if stop_when_learned:
                 break
-    t_mark, done_mark = mark or (t, done)
-    before = 1 - done_mark / t_mark if t_mark > 0 else 0.0
-    if stop_when_learned:
-        return {"before": before}
-    after = 1 - (done - done_mark) / (t - t_mark) if t > t_mark else float("nan")
-    return {"all": 1 - done / t, "before": before, "after": after, "failures": float(count)}
+    return waste_fractions(t, done, mark, count, only_before=stop_when_learned)
 
 
 def simulate_tiers(mtbf: float, fast_cost: float, durable_cost: float, crash: float, *, restart: float = 60.0,
@@ -191,9 +192,4 @@ def simulate_tiers(mtbf: float, fast_cost: float, durable_cost: float, crash: fl
                      work=work_mtbfs * mtbf, fast_cost=fast_cost, durable_cost=durable_cost, restart=restart,
                      stop_when_learned=early) for seed in range(n)]
 
-    totals = {}
-    for name in POLICIES:
-        full, early = runs(name, seeds, False), runs(name, early_seeds, True)
-        totals[name] = {k: statistics.fmean(r[k] for r in full) for k in ("all", "after", "failures")}
-        totals[name]["before"] = statistics.fmean(r["before"] for r in early)
-    return totals
+    return mean_wastes(POLICIES, runs, seeds, early_seeds)
