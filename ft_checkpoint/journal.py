@@ -75,8 +75,12 @@ class Journal:
         self._written_step: int | None = None
         self._written_cost: float | None = None
         self._note_fd: int | None = None
+        self._note_lock = threading.Lock()
         self.save_cost: float | None = None
         """What a save last cost the training (seconds), carried in the progress note for the next attempt."""
+        self.fast_step: int | None = None
+        """The newest step this attempt committed to the fast tier, carried in the progress note: the next attempt
+        tells a failure that lost every node's fast tier from one that came before any fast-tier save."""
 
     @property
     def notes_every_step(self) -> bool:
@@ -128,7 +132,8 @@ class Journal:
 
     def _note(self, step: int | None) -> bytes:
         """The progress note, padded with spaces to :data:`NOTE_BYTES` (one size: a rewrite in place leaves no tail)."""
-        body = json.dumps({"step": step, "time": time.time(), "attempt": self.attempt, "save_cost": self.save_cost})
+        body = json.dumps({"step": step, "time": time.time(), "attempt": self.attempt, "save_cost": self.save_cost,
+                           "fast_step": self.fast_step})
         return body.ljust(NOTE_BYTES).encode()
 
     def _write_progress(self, step: int | None) -> None:
@@ -139,9 +144,21 @@ class Journal:
         except StorageError as e:
             log.warning("could not write journal progress: %s", e)
 
+    def note_fast_step(self, step: int) -> None:
+        """The fast tier committed ``step`` (the background writer): noted at once with the step reached, so that the
+        next attempt tells a failure that lost every node's fast tier from one before any fast-tier save."""
+        self.fast_step = step
+        if self._latest_step is not None:
+            self.progress(self._latest_step, force=True)
+
     def _note_in_place(self, step: int) -> None:
         """Local filesystem: the first note written whole (atomically), each later one over it with one ``pwrite``
-        and no fsync: a few microseconds, and a killed process's last write stays in the page cache."""
+        and no fsync: a few microseconds, and a killed process's last write stays in the page cache. (The training
+        thread and, for a fast-tier commit, the writer thread write it: one at a time.)"""
+        with self._note_lock:
+            self._note_in_place_locked(step)
+
+    def _note_in_place_locked(self, step: int) -> None:
         if self._note_fd is None:
             self._write_progress(step)
             with contextlib.suppress(OSError):
@@ -164,7 +181,8 @@ class Journal:
     def close(self) -> None:
         """Finish pending writes and note the last step reached."""
         self._writer.shutdown(wait=True)
-        self._close_note()
+        with self._note_lock:
+            self._close_note()
         if self.enabled and self._latest_step is not None and (
                 self._latest_step != self._written_step or self.save_cost != self._written_cost):
             self._write_progress(self._latest_step)
@@ -247,7 +265,8 @@ def parse_progress(data: bytes, *, attempt: str, now: float | None = None) -> di
     """An attempt's progress note (``step``, ``time``, ``save_cost``); ValueError naming what is wrong."""
     note = jsonfile.load_object(data)
     _check_time(note, attempt, now)
-    jsonfile.get_int(note, "step", minimum=0, maximum=10**12 - 1, optional=True)
+    for key in ("step", "fast_step"):
+        jsonfile.get_int(note, key, minimum=0, maximum=10**12 - 1, optional=True)
     cost = jsonfile.get_number(note, "save_cost", minimum=0, maximum=MAX_SAVE_COST, optional=True)
     if cost == 0:
         raise ValueError("save_cost=0: a save costs something; expected a measured number of seconds")
@@ -322,8 +341,17 @@ class JournalReader:
             end = max(last["time"], progress["time"]) if progress else last["time"]
             out.append({"attempt": attempt, "start": attempt_start_time(attempt), "end": end, "ended": ended,
                         "last_step": progress.get("step") if progress else None,
-                        "save_cost": progress.get("save_cost") if progress else None})
+                        "save_cost": progress.get("save_cost") if progress else None,
+                        "fast_step": progress.get("fast_step") if progress else None,
+                        "failure_class": self._failure_class(attempt, events)})
         return out
+
+    def _failure_class(self, attempt: str, names: list[str]) -> str | None:
+        """What the attempt's resume found in the fast tier (its ``failure_class``), or None."""
+        resume = next((n for n in names if (m := _EVENT_RE.match(n)) and m.group(1) == "resume"), None)
+        event = self._event(attempt, resume) if resume is not None else None
+        found = event.get("failure_class") if event is not None else None
+        return found if isinstance(found, str) else None
 
     def _event(self, attempt: str, name: str) -> dict[str, Any] | None:
         return self._load(f"{JOURNAL_DIR}/{attempt}/{name}", lambda data: parse_event(data, attempt=attempt, now=self.now))
@@ -380,7 +408,9 @@ def newest_recorded_step(storage: Storage) -> tuple[int, str] | None:
 def attempt_summaries(storage: Storage) -> list[dict[str, Any]]:
     """Per attempt, oldest first: ``attempt``, ``start``, ``end`` (time of its last sign of life),
     ``ended`` (cleanly or by an announced preemption), ``last_step`` (its last progress note, or
-    None) and ``save_cost`` (what a save cost it, if measured). Costs one listing and a few small
+    None), ``save_cost`` (what a save cost it, if measured), ``fast_step`` (the newest step it committed to
+    the fast tier, if noted) and ``failure_class`` (what its resume found in the fast tier, if recorded).
+    Costs one listing and a few small
     reads per attempt. Files that do not parse, or whose fields have the wrong type or an impossible
     time, are skipped with a warning naming them (an attempt with no readable event is skipped)."""
     return JournalReader(storage).summaries()

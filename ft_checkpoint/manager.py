@@ -26,15 +26,17 @@ from typing import Any
 
 from ft_checkpoint import layout
 from ft_checkpoint.adaptive.policy import AdaptiveInterval
+from ft_checkpoint.adaptive.tier_policy import multilevel_for
 from ft_checkpoint.config import CheckpointConfig
 from ft_checkpoint.cost import CostMeter
 from ft_checkpoint.dist import Groups, peer_lost, short_error
 from ft_checkpoint.engine import CheckpointEngine, SaveStats
-from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, LeaseError, Preempted, SaveError
+from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, LeaseError, Preempted, SaveError, StorageError
 from ft_checkpoint.journal import Journal, attempt_summaries
 from ft_checkpoint.lease import Lease
 from ft_checkpoint.loading import StepLoader, load_state
 from ft_checkpoint.policy import (
+    OnPreemption,
     SaveContext,
     SavePolicy,
     describe_policy,
@@ -57,7 +59,7 @@ from ft_checkpoint.state import (
     to_tree,
 )
 from ft_checkpoint.storage import Storage
-from ft_checkpoint.tiers.fast_tier import create_fast_tier
+from ft_checkpoint.tiers.fast_tier import FastSave, create_fast_tier
 from ft_checkpoint.units import human_bytes, human_seconds, parse_duration
 
 log = logging.getLogger(__name__)
@@ -112,6 +114,13 @@ class CheckpointManager:
         self.adaptive = find_policy(self.policy, AdaptiveInterval)
         self.fast = create_fast_tier(c, self.storage.url, self.groups, **adaptive)
         """The fast tier (``fast_dirpath``), or None: see ``ft_checkpoint.tiers``."""
+        self.tiers = multilevel_for(c.interval, c.fast_interval, self.fast, **adaptive) if policy is None else None
+        """Both tiers' adaptive intervals from one plan (both ``"adaptive"``, with a fast tier), or None."""
+        if self.tiers is not None and self.fast is not None:
+            self.policy, self.adaptive = self.tiers.durable | OnPreemption(), None
+            self.fast.policy, self.fast.adaptive = self.tiers.fast, None
+        if self.fast is not None:
+            self.fast.on_commit = self._fast_committed
         self.journal = Journal(self.storage, enabled=self.rank == 0, progress_every=parse_duration(c.progress_interval))
         self.lease = Lease(self.storage, attempt=self.journal.attempt)
         self.groups.on_rank0(lambda: self.lease.acquire(force=c.force_takeover))
@@ -125,14 +134,15 @@ class CheckpointManager:
         self.journal.record("attempt_start", world_size=self.groups.world_size,
                             progress_interval=0.0 if self.journal.notes_every_step else parse_duration(c.progress_interval),
                             preemption_signals=self.watcher.signals)
-        learners = [p for p in (self.adaptive, self.fast and self.fast.adaptive) if p]
+        learners = [p for p in (self.adaptive, self.fast and self.fast.adaptive, self.tiers) if p]
         if learners and self.rank == 0:
             summaries = attempt_summaries(self.storage)
             for learner in learners:
                 learner.observe_journal(summaries)
         self._cost = CostMeter()
+        durable_learner = self.tiers.durable if self.tiers is not None else self.adaptive
         self._events = SaveEvents(storage=self.storage, config=c, rank=self.rank, journal=self.journal, lease=self.lease,
-                                  watcher=self.watcher, cost=self._cost, adaptive=self.adaptive, phase=self.engine.phase)
+                                  watcher=self.watcher, cost=self._cost, adaptive=durable_learner, phase=self.engine.phase)
         self._init_run_state()
         atexit.register(self._close_at_exit)
 
@@ -220,6 +230,8 @@ class CheckpointManager:
             fast = votes[0][3] if self.fast is not None and not self.fast.policy.deterministic else fast
             notice = next((f"{n} on rank {r}" for r, (_, n, _, _) in enumerate(votes) if n), None)
             lost = votes[0][2]
+        if self.tiers is not None:  # nested: a durable save comes with a fast-tier save (see MultiLevelInterval)
+            decision = decision and (fast or self._fast_refused)
         if lost:
             raise LeaseError(f"another job took over the checkpoint directory {self.storage.url}; this job stops "
                              "saving there. HINT: give each job its own dirpath; see the warning about lease.json")
@@ -308,6 +320,7 @@ class CheckpointManager:
         if fast and self.fast is not None:
             self.fast.check_room(tree)
             fast_save = self.fast.started(step, 0.0)
+            fast_save.durable = durable
             tier_write = self.fast.writer(fast_save, fields, writers=self.config.writers)
         stats = self.engine.save(step, tree, per_rank=ranked, files=lambda: stage_participants(participants),
                                  manifest_fields=fields, listener=self._events, called_at=called_at, durable=durable,
@@ -385,6 +398,8 @@ class CheckpointManager:
                 out.update(durable_s=last.duration or 0.0, bytes=float(last.bytes or 0))
         out["failed_saves"] = float(self.failed_saves)
         out.update(policy_metrics(self.policy))
+        if self.tiers is not None:
+            out.update(self.tiers.last_decision)
         return out
 
     def describe_start(self, position: str | None = None) -> str:
@@ -399,11 +414,14 @@ class CheckpointManager:
             >>> m.close()
         """
         fast = f"; {self.fast.describe()}: {describe_policy(self.fast.policy)}" if self.fast is not None else ""
+        when = describe_policy(self.policy)
+        if self.tiers is not None and self.fast is not None:
+            when, fast = self.tiers.describe(), f"; {self.fast.describe()}"
         if self.resumed_from is None:
-            return f"checkpoints go to {self.storage.url}, {describe_policy(self.policy)}{fast}"
+            return f"checkpoints go to {self.storage.url}, {when}{fast}"
         where = f"resuming from step {self.resumed_from}" + (f" ({position})" if position else "")
         source = f" ({self.resumed_source})" if self.resumed_source and self.resumed_source.startswith("fast tier") else ""
-        return f"{where} of {self.storage.url}{source}, {describe_policy(self.policy)}{fast} ({self.loaded})"
+        return f"{where} of {self.storage.url}{source}, {when}{fast} ({self.loaded})"
 
     def _announce_start(self) -> None:
         if self._announced:
@@ -431,8 +449,11 @@ class CheckpointManager:
         load = lambda loader, opened: load_state(loader, opened, state, participants=self._participants,  # noqa: E731
                                                  per_rank=per_rank, check=check)
         fast, touched = None, False
+        found_in_fast: str | None = None
+        why: str | None = "no fast tier"
         if self.fast is not None and not self._participants.split(state)[1]:
             fast, touched = self.fast.resume(load, durable_newest=self._newest_committed)
+            found_in_fast, why = self.fast.failure_class, self.fast.why
         found, source = (fast[:2], fast[2]) if fast is not None else self._resume_durable(load, touched)
         self._newest_committed = self.latest()
         if self.signer is not None and self.rank == 0:
@@ -451,12 +472,38 @@ class CheckpointManager:
         self.resumed_source = source
         tier = "fast" if source.startswith("fast tier") else "durable"
         self.journal.record("resume", step=manifest.step, seconds=seconds, bytes=manifest.total_bytes, tier=tier,
-                            source=source)
+                            source=source, failure_class=found_in_fast, why=why if tier == "durable" else None)
+        if self.tiers is not None and self.rank == 0:
+            self.tiers.observe_failure(found_in_fast)
+            if tier == "fast":  # the durable tier's next save comes as long after its newest step as planned
+                self._last_save_time -= self._durable_age(manifest)
         self.loaded = f"{human_bytes(manifest.total_bytes)} verified and loaded in {human_seconds(seconds)}"
         if self.rank == 0:
             log.debug("resuming from step %d (%s): %s", manifest.step, source, self.loaded)
         self._announce_start()
         return manifest.step
+
+    def _durable_age(self, fast: layout.Manifest) -> float:
+        """How long the fast-tier step ``fast`` was saved after the durable tier's newest step (seconds; inf: none)."""
+        if self._newest_committed is None:
+            return float("inf")
+        try:
+            return max(0.0, fast.time - layout.read_manifest(self.storage, self._newest_committed).time)
+        except (StorageError, CheckpointCorruptError, ValueError) as e:
+            log.debug("the durable tier's newest step has no readable time: %s", e)
+            return 0.0
+
+    def _fast_committed(self, save: FastSave) -> None:
+        """A fast-tier save committed (the writer thread): its step goes into the journal's progress note, and the
+        cost of a save to the fast tier only (its stall and the slowdown of the steps while it was written) to the
+        fast tier's interval; a save to both tiers is measured when its durable part commits."""
+        self.journal.note_fast_step(save.step)
+        if save.durable:
+            return
+        cost = self._cost.cost(save.stall)
+        learner = self.tiers.fast if self.tiers is not None else self.fast.adaptive if self.fast is not None else None
+        if learner is not None:
+            learner.observe_save(cost=cost, durable=save.duration or 0.0)
 
     def _resume_durable(self, load: Callable[[StepLoader, Any], Any], touched: bool) -> tuple[Any, str]:
         """``(found, source)`` from the durable tier (see ``resume_newest``); ``touched``: a fast-tier step failed while

@@ -62,7 +62,8 @@ class MTBFEstimate:
 
     mtbf: float
     """The most probable MTBF: ``1 / lambda`` at the posterior mode of ``log lambda``."""
-    failures: int
+    failures: float
+    """Failures seen (a fraction where a failure's class is uncertain: see ``classes``)."""
     exposure: float
     relative_uncertainty: float
     """Posterior standard deviation of ``log lambda`` (~ relative uncertainty of the rate)."""
@@ -77,14 +78,14 @@ class FailureModel:
     prior_mtbf: float
     prior_spread: float = 10.0
 
-    def estimate(self, failures: int, exposure: float) -> MTBFEstimate:
+    def estimate(self, failures: float, exposure: float) -> MTBFEstimate:
         """The posterior estimate after ``failures`` in ``exposure`` seconds."""
         log_evidence, mode, curvature = self._laplace(failures, exposure)
         log_evidence_1, _, _ = self._laplace(failures + 1, exposure)  # the same integral times lambda
         return MTBFEstimate(math.exp(-mode), failures, exposure, 1 / math.sqrt(curvature),
                             math.exp(log_evidence_1 - log_evidence))
 
-    def _laplace(self, n: int, exposure: float) -> tuple[float, float, float]:
+    def _laplace(self, n: float, exposure: float) -> tuple[float, float, float]:
         """Laplace's approximation of ``log of the integral of lambda^n e^(-lambda T) prior(log lambda)``:
         ``(value, mode, curvature)`` in ``x = log lambda``."""
         mu, var = -math.log(self.prior_mtbf), math.log(self.prior_spread) ** 2

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from ft_checkpoint.adaptive.interval import daly_interval
 from ft_checkpoint.adaptive.policy import AdaptiveInterval
@@ -115,12 +115,24 @@ def _run(policy: _Fixed | _Ours, failures: Iterator[float], *, work: float, cost
             mark = (t, done)
             if stop_when_learned:
                 break
+    return waste_fractions(t, done, mark, count, only_before=stop_when_learned)
+
+
+def waste_fractions(t: float, done: float, mark: tuple[float, float] | None, failures: int, *,
+                    only_before: bool = False) -> dict[str, float]:
+    """A run's waste fractions, ``all``, ``before`` and ``after`` ``mark`` (the time and work done at the restart after
+    the 5th failure), from its wall time ``t`` and work ``done`` at the end.
+
+    Example:
+        >>> waste_fractions(100.0, 80.0, (50.0, 45.0), 7)
+        {'all': 0.19999999999999996, 'before': 0.09999999999999998, 'after': 0.30000000000000004, 'failures': 7.0}
+    """
     t_mark, done_mark = mark or (t, done)
     before = 1 - done_mark / t_mark if t_mark > 0 else 0.0
-    if stop_when_learned:
+    if only_before:
         return {"before": before}
     after = 1 - (done - done_mark) / (t - t_mark) if t > t_mark else float("nan")
-    return {"all": 1 - done / t, "before": before, "after": after, "failures": float(count)}
+    return {"all": 1 - done / t, "before": before, "after": after, "failures": float(failures)}
 
 
 def simulate_scenario(mtbf: float, cost: float, *, restart: float = 60.0, seeds: int = 20,
@@ -141,8 +153,20 @@ def simulate_scenario(mtbf: float, cost: float, *, restart: float = 60.0, seeds:
                             restart=restart, stop_when_learned=early))
         return out
 
+    return mean_wastes(POLICIES, runs, seeds, early_seeds)
+
+
+def mean_wastes(policies: Iterable[str], runs: Callable[[str, int, bool], list[dict[str, float]]], seeds: int,
+                early_seeds: int) -> dict[str, dict[str, float]]:
+    """Each policy's mean waste fractions: ``all``, ``after`` and ``failures`` of ``runs(name, seeds, False)``, and
+    ``before`` of ``runs(name, early_seeds, True)`` (runs that stop at the 5th failure).
+
+    Example:
+        >>> mean_wastes(["a"], lambda name, n, early: [waste_fractions(100.0, 80.0, (50.0, 45.0), 7)] * n, 2, 3)
+        {'a': {'all': 0.19999999999999996, 'after': 0.30000000000000004, 'failures': 7.0, 'before': 0.09999999999999998}}
+    """
     totals = {}
-    for name in POLICIES:
+    for name in policies:
         full, early = runs(name, seeds, False), runs(name, early_seeds, True)
         totals[name] = {k: statistics.fmean(r[k] for r in full) for k in ("all", "after", "failures")}
         totals[name]["before"] = statistics.fmean(r["before"] for r in early)

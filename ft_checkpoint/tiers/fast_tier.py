@@ -71,6 +71,8 @@ class FastSave:
     """Seconds from the save's start until every rank's part and its peer copy were committed."""
     bytes: int | None = None
     """Bytes of this rank's part."""
+    durable: bool = False
+    """Whether the same save writes the durable tier too (then the durable save's commit measures its cost)."""
 
 
 def create_fast_tier(config: CheckpointConfig, durable_url: str, groups: Groups, **adaptive: Any) -> FastTier | None:
@@ -106,6 +108,12 @@ class FastTier:
         self.policy: SavePolicy = policy_from_interval(config.fast_interval, **adaptive)
         self.adaptive = find_policy(self.policy, AdaptiveInterval)
         """The fast tier's adaptive interval (``fast_interval="adaptive"``), fed each fast-tier save's cost."""
+        self.on_commit: Callable[[FastSave], None] | None = None
+        """Called after each save committed (the writer thread): the manager measures its cost there."""
+        self.failure_class: str | None = None
+        """What the last :meth:`resume` found in the nodes' folders (see ``sources.failure_class``)."""
+        self.why: str | None = None
+        """Why the last :meth:`resume` took no step from the fast tier (None: it did)."""
         self.last: FastSave | None = None
         self.committed: int | None = self._own_mark()
         """The newest step committed in this rank's own folder."""
@@ -187,8 +195,8 @@ class FastTier:
         if self.rank == 0:
             log.info("fast-tier step %d committed on %d node(s)%s, %.2f s after the save began", step,
                      len(self.ring.nodes), " with peer copies" if self.replicas else "", save.duration)
-        if self.adaptive is not None:
-            self.adaptive.observe_save(cost=save.stall, durable=save.duration)
+        if self.on_commit is not None:
+            self.on_commit(save)
         try:  # the step is committed: a failed clean-up is only logged (the next save retries it)
             for rank in self.held:
                 self.folder.retain(rank, {step})
@@ -243,12 +251,14 @@ class FastTier:
         a load that failed may have changed the state. Every rank, training thread."""
         holdings = self.groups.all_gather(sources.inventory(self.folder, self.node))
         self._explain_world_size(holdings)
+        self.failure_class, self.why = sources.failure_class(holdings, self.ring), None
         ruled_out: set[tuple[str, int]] = set()
         touched = False
         while True:
-            plans = [p for p in sources.plan_steps(holdings, self.ring, ruled_out=frozenset(ruled_out))
-                     if durable_newest is None or p.step >= durable_newest]
+            complete = sources.plan_steps(holdings, self.ring, ruled_out=frozenset(ruled_out))
+            plans = [p for p in complete if durable_newest is None or p.step >= durable_newest]
             if not plans:
+                self.why = _why_not(holdings, self.ring, complete, ruled_out, durable_newest)
                 return None, touched
             plan = plans[0]
             result, failed, touched_now = self._try(plan, load)
@@ -339,6 +349,19 @@ class FastTier:
                 self.folder.remove_all()
         except (OSError, StorageError) as e:
             log.warning("could not delete the fast tier's folder %s at the clean end: %s", self.folder.root, e)
+
+
+def _why_not(holdings: list[sources.Holding], ring: Ring, complete: list[sources.StepPlan], ruled_out: set[Any],
+             durable_newest: int | None) -> str:
+    """Why a resume takes no step from the fast tier, in words (for the journal)."""
+    if complete:
+        return f"its newest complete step {complete[0].step} is older than the durable tier's step {durable_newest}"
+    if ruled_out:
+        return "its newest complete step failed its checks"
+    other = sources.other_world_sizes(holdings, ring.world_size)
+    if other:
+        return f"its step {max(other)} was saved by {other[max(other)]} ranks and this job has {ring.world_size}"
+    return "no step of it is complete on the nodes of this job"
 
 
 class FastStepLoader(StepLoader):

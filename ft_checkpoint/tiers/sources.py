@@ -25,6 +25,7 @@ import dataclasses
 import logging
 
 from ft_checkpoint import layout
+from ft_checkpoint.adaptive.classes import CRASH, MORE, NO_FAST_STEP, NODE
 from ft_checkpoint.tiers.folder import FastFolder, Mark
 from ft_checkpoint.tiers.node import Ring
 
@@ -85,6 +86,28 @@ def plan_steps(holdings: list[Holding], ring: Ring, *, ruled_out: frozenset[tupl
         if all(h is not None for h in holders):
             plans.append(StepPlan(step, tuple(h for h in holders if h is not None), save))
     return plans
+
+
+def failure_class(holdings: list[Holding], ring: Ring) -> str:
+    """What the nodes' fast-tier folders say about the failure before this start (see ``adaptive.classes``): every
+    node's folder still holds a commit mark of each of its ranks (a process crash), one node's does not (one node
+    lost), more nodes' do not or the marks are another world size's (more), or no node holds any mark.
+
+    Example:
+        >>> from ft_checkpoint.tiers.folder import Mark
+        >>> ring, mark = Ring(("a", "b")), Mark(9, 2, "s1")
+        >>> failure_class([Holding("a", {0: mark, 1: mark}, {}), Holding("b", {}, {})], ring)   # b's folder is empty
+        'one node lost'
+    """
+    by_node = {h.node: h for h in holdings}
+    marks = [m for h in by_node.values() for m in h.marks.values()]
+    if not marks:
+        return NO_FAST_STEP
+    if all(m.world_size != ring.world_size for m in marks):
+        return MORE
+    lost = [node for node in ring.nodes if any(
+        (m := by_node[node].marks.get(rank)) is None or m.world_size != ring.world_size for rank in ring.ranks_on(node))]
+    return CRASH if not lost else NODE if len(lost) == 1 else MORE
 
 
 def other_world_sizes(holdings: list[Holding], world_size: int) -> dict[int, int]:

@@ -1,7 +1,9 @@
 """The ``ft-checkpoint`` command line.
 
     ft-checkpoint plan --mtbf 6h --cost 5m [--restart 2m] [--json] [--plot waste.png]
+    ft-checkpoint plan --cost 10m --fast-cost 1s --crash-mtbf 8h [--node-mtbf 1d] [--more-mtbf 1w] [--fast-replicas 0]
     ft-checkpoint simulate [--mtbf 15m,1h,6h,1d,1w] [--cost 1s,10s,1m,10m] [--weibull 0.7] [--json]
+    ft-checkpoint simulate --tiers [--mtbf 1h,6h,1d] [--fast-cost 1s,10s] [--cost 1m,10m] [--mix 100/0,75/25]
     ft-checkpoint ls DIR [--fast FAST_DIRPATH] [--json] [--key-file PATH] [--run-name NAME]
     ft-checkpoint verify DIR [--step N | --all] [--json] [--key-file PATH] [--run-name NAME]
     ft-checkpoint inspect DIR [--step N] [--json] [--key-file PATH] [--run-name NAME]
@@ -111,6 +113,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from ft_checkpoint.adaptive.interval import daly_interval, expected_waste, young_interval
+    from ft_checkpoint.tools import tier_commands
+
+    rates = tier_commands.class_rates(args)
+    if rates:
+        warn_nonsense([1 / r for r in rates.values()], [args.cost, args.fast_cost], args.restart)
+        return tier_commands.plan(args)
+    if args.mtbf is None:
+        raise UsageError("--mtbf is required (or --fast-cost with each failure class's MTBF, for a job with a fast "
+                         "tier). HINT: --mtbf 6h --cost 5m")
 
     d, m, r = args.cost, args.mtbf, args.restart
     rows = [("young", young_interval(d, m)), ("daly", daly_interval(d, m))]
@@ -208,7 +219,16 @@ class _arithmetic:
 
 def _simulate(args: argparse.Namespace) -> int:
     from ft_checkpoint.adaptive.simulate import POLICIES, simulate_scenario
+    from ft_checkpoint.tools import tier_commands
 
+    if args.tiers:
+        tiers = {**tier_commands.TIER_DEFAULTS, **{k: v for k, v in vars(args).items() if v is not None}}
+        warn_nonsense(tiers["mtbf"], tiers["cost"] + tiers["fast_cost"], args.restart)
+        return tier_commands.simulate(args)
+    if args.fast_cost is not None or args.mix is not None:
+        raise UsageError("--fast-cost and --mix go with --tiers. HINT: ft-checkpoint simulate --tiers --mix 75/25")
+    args.mtbf, args.cost = args.mtbf or SIMULATE_MTBFS, args.cost or SIMULATE_COSTS
+    args.seeds, args.early_seeds = args.seeds or 20, args.early_seeds or 3000
     warn_nonsense(args.mtbf, args.cost, args.restart)
     if not args.json:
         failures = f"Weibull shape {args.weibull}" if args.weibull else "exponential"
@@ -522,8 +542,14 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}. HINT: '{self.prog} --help' lists the arguments\n")
 
 
+SIMULATE_MTBFS = [900.0, 3600.0, 21600.0, 86400.0, 604800.0]
+SIMULATE_COSTS = [1.0, 10.0, 60.0, 600.0]
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
+    from ft_checkpoint.tools import tier_commands
+
     parser = _Parser(
         prog="ft-checkpoint",
         description="Plan checkpoint intervals and inspect checkpoint directories (local paths or fsspec URLs).")
@@ -535,14 +561,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="How often to checkpoint: Young's and Daly's optimal intervals for a checkpoint that costs "
                     "COST and failures every MTBF on average, and the expected share of wall time wasted (on saves, "
                     "recomputed work and restarts) at those and at fixed intervals. " + _DURATIONS_HELP)
-    plan.add_argument("--mtbf", type=positive_duration, required=True,
-                      help="mean time between failures of the whole job, e.g. 6h (the job fails, not one GPU)")
+    plan.add_argument("--mtbf", type=positive_duration, default=None,
+                      help="mean time between failures of the whole job, e.g. 6h (the job fails, not one GPU); "
+                           "required unless --fast-cost")
     plan.add_argument("--cost", type=positive_duration, required=True,
                       help="what one checkpoint costs the training (its stall, not the background write), e.g. 5m")
     plan.add_argument("--restart", type=duration, default=0.0,
                       help="time from a failure to training again (rescheduling, start-up, loading), e.g. 2m; default 0")
     plan.add_argument("--json", action="store_true", help="machine-readable output")
     plan.add_argument("--plot", metavar="PNG", help="draw expected waste against interval (needs matplotlib)")
+    tier_commands.add_plan_arguments(plan, duration, positive_duration)
     plan.set_defaults(func=cmd_plan)
 
     sim = sub.add_parser(
@@ -551,21 +579,23 @@ def build_parser() -> argparse.ArgumentParser:
                     "Daly's, ours (the adaptive policy, learning the failure rate as it goes) and an oracle that knows "
                     "the true MTBF; one row per MTBF and cost, printed as soon as it is computed. "
                     + _DURATIONS_HELP)
-    sim.add_argument("--mtbf", type=durations, default=durations("15m,1h,6h,1d,1w"), metavar="MTBFS",
+    sim.add_argument("--mtbf", type=durations, default=None, metavar="MTBFS",
                      help="true mean times between failures, comma-separated (default: 15m,1h,6h,1d,1w)")
-    sim.add_argument("--cost", type=durations, default=durations("1s,10s,1m,10m"), metavar="COSTS",
-                     help="what one checkpoint costs the training, comma-separated (default: 1s,10s,1m,10m)")
+    sim.add_argument("--cost", type=durations, default=None, metavar="COSTS",
+                     help="what one checkpoint costs the training (with --tiers: a durable save), comma-separated "
+                          "(default: 1s,10s,1m,10m)")
     sim.add_argument("--restart", type=duration, default=60.0, help="time from a failure to training again (default 60 s)")
     sim.add_argument("--weibull", type=positive_number, default=None, metavar="SHAPE",
                      help="Weibull failures of this shape (e.g. 0.7: failures come in bursts); default: exponential")
-    sim.add_argument("--seeds", type=positive, default=20, help="simulated runs per row (default 20)")
-    sim.add_argument("--early-seeds", type=positive, default=3000,
-                     help="simulated runs per row for the columns before the 5th failure (default 3000)")
+    sim.add_argument("--seeds", type=positive, default=None, help="simulated runs per row (default 20; --tiers: 10)")
+    sim.add_argument("--early-seeds", type=positive, default=None,
+                     help="simulated runs per row for the columns before the 5th failure (default 3000; --tiers: 500)")
     sim.add_argument("--work", type=positive_number, default=50.0,
                      help="useful work per simulated run, in MTBFs (default 50)")
     sim.add_argument("--world-size", type=positive, default=1024,
                      help="GPUs of the simulated job, for the prior failure rate ours starts from (default 1024)")
     sim.add_argument("--json", action="store_true", help="machine-readable output (printed at the end)")
+    tier_commands.add_simulate_arguments(sim, durations)
     sim.set_defaults(func=cmd_simulate)
     _add_directory_commands(sub)
     return parser

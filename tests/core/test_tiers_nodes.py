@@ -11,6 +11,7 @@ one must recover from, from the source the failure left:
 - a node lost in the middle of the transfer of a step's peer copies: the step before, whose copies were complete
   (refused too).
 
+Each resume records what the nodes' folders showed (the failure class the multi-level plan learns from).
 Each resumed state (every rank's tensors, other values and RNG) is bit-identical to the state the job had at that
 step before the failure: for the first failure, an uninterrupted run. (Training on from a resume is not compared
 with an uninterrupted run: with 4 ranks, gloo's ring all-reduce sums each element in an order that depends on
@@ -24,6 +25,9 @@ import os
 
 import pytest
 
+from ft_checkpoint.adaptive.classes import CRASH, MORE, NO_FAST_STEP, NODE, class_counts
+from ft_checkpoint.journal import attempt_summaries, read_journal
+from ft_checkpoint.storage import Storage
 from ft_checkpoint.testing import jobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -65,6 +69,11 @@ def test_ddp_resumes_from_the_fastest_source_each_failure_left(tmp_path):
     check_resumes(job, [(5, OWN), (7, PEER), (8, PEER), (9, "durable"), (9, "durable"), (12, PEER)])
     assert "fast-tier step 10 (peer copies) is not used" in job.output, "the peer copy was tried, and failed its checks"
     assert not [p for node in "AB" for p in os.listdir(tmp_path / f"fast-{node}")], "a clean end cleans the fast tier"
+    journal = Storage(str(tmp_path / "ckpt"))
+    found = [e["failure_class"] for e in read_journal(journal) if e["event"] == "resume"]
+    assert found == [CRASH, NODE, CRASH, CRASH, NO_FAST_STEP, NODE], "what each resume found in the nodes' folders"
+    counts, failures, _ = class_counts(attempt_summaries(journal))
+    assert (counts, failures) == ({CRASH: 3, NODE: 2, MORE: 1}, 6), "both folders lost after fast-tier saves: more"
 
 
 def test_fsdp2_resumes_its_shards_from_the_fastest_source_each_failure_left(tmp_path):
