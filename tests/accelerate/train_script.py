@@ -31,6 +31,7 @@ from accelerate.utils import set_seed
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+import ft_checkpoint.testing.faults  # noqa: E402, F401 - registers faulty:// (tests use it as the dirpath)
 from accelerate_ft import FaultTolerantCheckpoint  # noqa: E402
 from accelerate_ft.testing import IndexedData, toy_model  # noqa: E402
 from ft_checkpoint.testing.jobs import report  # noqa: E402

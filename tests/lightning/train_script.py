@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 
+import ft_checkpoint.testing.faults  # noqa: E402, F401 - registers faulty:// (tests use it as the dirpath)
 from lightning_ft import FaultTolerantCheckpoint  # noqa: E402
 from lightning_ft.testing import LOADERS, Data, Net, final_state, trainer  # noqa: E402
 
