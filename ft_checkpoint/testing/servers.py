@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -20,6 +21,16 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 
 def free_port() -> int:
+    """A free port below Linux's ephemeral range (32768 and up), so that no client connection takes it
+    as its source port while a stopped server waits to be restarted on it."""
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -109,10 +120,18 @@ def start(kind: str, *, port: int | None = None, data_dir: str | None = None) ->
         cmd = [_bin("moto_server"), "-H", "127.0.0.1", "-p", str(port)]
     else:
         raise ValueError(kind)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=data_dir)
-    try:
-        _wait_for_port(port, proc)
-    except Exception:
-        proc.kill()
-        raise
+    # A restart on the port of a stopped server can find the port briefly taken (by TIME_WAIT, or as the
+    # source port of another client's connection): the server then exits at once, and we try again.
+    deadline = time.monotonic() + 30.0
+    while True:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=data_dir)
+        try:
+            _wait_for_port(port, proc)
+            break
+        except Exception:
+            proc.kill()
+            proc.wait(timeout=10)
+            if proc.returncode in (None, -9) or time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
     return Server(kind, port, proc)
