@@ -120,7 +120,7 @@ class CheckpointManager:
             self.policy, self.adaptive = self.tiers.durable | OnPreemption(), None
             self.fast.policy, self.fast.adaptive = self.tiers.fast, None
         if self.fast is not None:
-            self.fast.on_commit = self._fast_committed
+            self.fast.on_commit, self.fast.signer = self._fast_committed, self.signer
         self.journal = Journal(self.storage, enabled=self.rank == 0, progress_every=parse_duration(c.progress_interval))
         self.lease = Lease(self.storage, attempt=self.journal.attempt)
         self.groups.on_rank0(lambda: self.lease.acquire(force=c.force_takeover))

@@ -47,6 +47,7 @@ from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, StateMisma
 from ft_checkpoint.lease import job_id
 from ft_checkpoint.loading import OpenedStep, StepLoader
 from ft_checkpoint.policy import SaveContext, SavePolicy, find_policy, policy_from_interval
+from ft_checkpoint.signing import Signer
 from ft_checkpoint.staging import padded
 from ft_checkpoint.state import merge_tree, split_tree
 from ft_checkpoint.tiers import room, sources
@@ -108,6 +109,8 @@ class FastTier:
         self.policy: SavePolicy = policy_from_interval(config.fast_interval, **adaptive)
         self.adaptive = find_policy(self.policy, AdaptiveInterval)
         """The fast tier's adaptive interval (``fast_interval="adaptive"``), fed each fast-tier save's cost."""
+        self.signer: Signer | None = None
+        """Signs each part's manifest, and a resume takes only parts signed with its key (the manager's signer)."""
         self.on_commit: Callable[[FastSave], None] | None = None
         """Called after each save committed (the writer thread): the manager measures its cost there."""
         self.failure_class: str | None = None
@@ -215,7 +218,7 @@ class FastTier:
         tensors, sharding = local_part(staged["tensors"])
         manifest = write_rank_step(self.folder.storage(self.rank), step, tensors, staged["rank_file"], rank=self.rank,
                                    world_size=self.ring.world_size, save=self.attempt, node=self.node,
-                                   sharding=sharding, writers=writers, fields=fields)
+                                   sharding=sharding, writers=writers, fields=fields, signer=self.signer)
         if self.last is not None and self.last.step == step:
             self.last.bytes = manifest.total_bytes
 
@@ -277,7 +280,7 @@ class FastTier:
         phases: list[Callable[[], Any]] = [
             lambda: self._fetch(plan),
             lambda: self._check(plan),
-            lambda: loader.open_step(layout.read_manifest(storage, step)),
+            lambda: loader.open_step(layout.read_manifest(storage, step, signer=self.signer)),
             lambda: load(loader, opened),  # type: ignore[arg-type]  # set by the phase before
         ]
         for i, phase in enumerate(phases):
@@ -292,7 +295,7 @@ class FastTier:
         source = f"fast tier, {plan.source}"
         if self.rank == 0:
             log.info("fast-tier step %d: every rank's part checked and loaded (%s)", step, plan.source)
-        return (layout.read_manifest(storage, step), result, source), [], False
+        return (layout.read_manifest(storage, step, signer=self.signer), result, source), [], False
 
     def _fetch(self, plan: sources.StepPlan) -> None:
         """Parts some ranks' nodes lack, sent over the fast tier's group by the ranks whose nodes hold them."""
@@ -305,7 +308,7 @@ class FastTier:
                 log.info("rank %d: received its part of fast-tier step %d from rank %d", self.rank, plan.step, holder)
 
     def _check(self, plan: sources.StepPlan) -> None:
-        manifest = layout.check_step(self.folder.storage(self.rank), plan.step).raise_if_bad()
+        manifest = layout.check_step(self.folder.storage(self.rank), plan.step, signer=self.signer).raise_if_bad()
         own = manifest.metadata.get(FAST_TIER)
         expected = {"rank": self.rank, "world_size": self.ring.world_size, "save": plan.save}
         if not isinstance(own, dict) or any(own.get(k) != v for k, v in expected.items()):

@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from ft_checkpoint import layout, shards
 from ft_checkpoint.engine import versions
 from ft_checkpoint.errors import SaveError
+from ft_checkpoint.signing import Signer
 from ft_checkpoint.staging import _is_dtensor
 from ft_checkpoint.storage import Storage
 
@@ -56,10 +57,12 @@ def local_part(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Ten
 
 def write_rank_step(storage: Storage, step: int, tensors: Mapping[str, torch.Tensor], rank_file: bytes, *, rank: int,
                     world_size: int, save: str, node: str = "", sharding: dict[str, Any] | None = None,
-                    writers: int = 1, fields: dict[str, Any] | None = None) -> layout.Manifest:
+                    writers: int = 1, fields: dict[str, Any] | None = None, signer: Signer | None = None
+                    ) -> layout.Manifest:
     """Write rank ``rank``'s part of ``step`` (plain tensors: see :func:`local_part`) and commit it with its manifest.
 
-    ``fields`` are the durable manifest's (epoch, metadata). What an interrupted write of the step left is
+    ``fields`` are the durable manifest's (epoch, metadata); with a ``signer`` the manifest is signed as a durable
+    one is (the same key and run: a resume checks it the same way). What an interrupted write of the step left is
     deleted first. Buffered writes (no ``O_DIRECT``): a resume reads the files back from the page cache.
     """
     rel = layout.step_dir(step)
@@ -74,5 +77,7 @@ def write_rank_step(storage: Storage, step: int, tensors: Mapping[str, torch.Ten
     own = {"rank": rank, "world_size": world_size, "save": save, "node": node, "sharding": sharding or {}}
     fields["metadata"] = {**(fields.get("metadata") or {}), FAST_TIER: own}
     manifest = layout.Manifest(step=step, world_size=1, files=files, versions=versions(), **fields)
+    if signer is not None:
+        manifest = signer.sign(manifest)
     storage.write_bytes(f"{rel}/{layout.MANIFEST}", manifest.to_json())
     return manifest

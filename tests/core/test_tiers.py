@@ -37,10 +37,10 @@ def snapshot(state: dict) -> dict:
 
 
 def run(url: str, fast: str, steps: int, *, interval: int = 4, fast_interval: int = 1, keep: tuple[int, ...] = (),
-        **config) -> tuple[dict, dict[int, dict]]:
+        seed: int = 0, **config) -> tuple[dict, dict[int, dict]]:
     """Train ``steps`` steps saving on both tiers, then stop without a clean end (as a crash would); the state
     at the end, and snapshots at the steps in ``keep``."""
-    state, kept = make(seed=0), {}
+    state, kept = make(seed=seed), {}
     ckpt = CheckpointManager(url, interval=interval, fast_dirpath=fast, fast_interval=fast_interval, **config)
     for step in range(1, steps + 1):
         train_step(state)
@@ -267,3 +267,42 @@ def test_a_clean_end_saves_its_last_step_to_the_durable_tier_even_when_the_fast_
     with CheckpointManager(url, interval=100, fast_dirpath=fast, fast_interval=1) as ckpt:
         assert ckpt.resume(resumed) == 3 and not ckpt.resumed_source.startswith("fast tier")
     assert_same(flat(resumed), flat(state))
+
+
+KEY = "5f0c9e2a7d41b8363ac2e9f17b0d4c5a" * 2
+
+
+def test_with_a_signing_key_a_fast_tier_part_forged_with_valid_checksums_is_not_loaded(tmp_path, caplog):
+    """Someone who can write the node's fast-tier folder (``/dev/shm`` is writable by every user of the node) puts a
+    self-consistent part of another run in place of step 6, its manifest's checksums all correct and its ownership
+    fields copied from the real one: without a key it loads; with one, the unsigned part is refused and the
+    durable step 4 is resumed instead."""
+    url, fast = str(tmp_path / "ckpt"), str(tmp_path / "fast")
+    _, kept = run(url, fast, 6, keep=(4, 6), signing_key=KEY)
+    part = runs_in(fast)[0].storage(0)
+    real = json.loads(part.read_bytes(f"{layout.step_dir(6)}/{layout.MANIFEST}"))
+    assert real["signature"]["mac"], "a fast-tier part's manifest is signed as a durable one is"
+    step, resumed, ckpt = resumes(url, fast, signing_key=KEY)
+    assert step == 6 and ckpt.resumed_source.startswith("fast tier"), "a signed part verifies and loads"
+    assert_same(flat(resumed), kept[6])
+    ckpt.close(clean=False)
+
+    evil_fast = str(tmp_path / "evil")
+    run(str(tmp_path / "evil-ckpt"), evil_fast, 6, seed=5)
+    evil = runs_in(evil_fast)[0].storage(0)
+    forged = json.loads(evil.read_bytes(f"{layout.step_dir(6)}/{layout.MANIFEST}"))
+    forged["metadata"]["fast_tier"] = real["metadata"]["fast_tier"]
+    for name in forged["files"]:
+        part.write_bytes(f"{layout.step_dir(6)}/{name}", evil.read_bytes(f"{layout.step_dir(6)}/{name}"))
+    part.write_bytes(f"{layout.step_dir(6)}/{layout.MANIFEST}", json.dumps(forged).encode())
+
+    step, resumed, ckpt = resumes(url, fast)
+    assert step == 6 and not torch.equal(flat(resumed)["/model/0.weight"], kept[6]["/model/0.weight"]), \
+        "the attack is real: without a key, the forged part loads"
+    ckpt.close(clean=False)
+    with caplog.at_level(logging.WARNING, logger="ft_checkpoint"):
+        step, resumed, ckpt = resumes(url, fast, signing_key=KEY)
+    assert step == 4 and not ckpt.resumed_source.startswith("fast tier")
+    assert_same(flat(resumed), kept[4])
+    assert "fast-tier step 6 (own node) is not used" in caplog.text and "not signed" in caplog.text
+    ckpt.close()
