@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -76,6 +77,19 @@ def test_the_thread_writer_runs_at_the_priority_asked_for(tmp_path):
         assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0, "training's thread is untouched"
 
 
+def wait_until_dead(pid: int) -> None:
+    """Until ``pid`` has exited (a zombie, or gone)."""
+    for _ in range(3000):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(") ", 1)[1][0] in "ZX":
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} still runs 30 s after SIGKILL")
+
+
 def test_the_writer_process_runs_at_the_priority_asked_for_and_is_replaced_if_it_dies(tmp_path):
     url = str(tmp_path / "ckpt")
     state = {"w": torch.arange(1000.0)}
@@ -85,6 +99,7 @@ def test_the_writer_process_runs_at_the_priority_asked_for_and_is_replaced_if_it
         assert len(pids) == 2 and os.getpid() not in pids  # writers=2 by default
         assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in pids] == [11, 11]
         os.kill(pids[0], signal.SIGKILL)
+        wait_until_dead(pids[0])  # on a busy machine a SIGKILLed process can run on for a while
         state["w"] += 1
         ckpt.save(2, state, block=True)  # a dead writer is replaced before the next save
         assert pids[0] not in ckpt.engine.writer_pids
