@@ -56,11 +56,19 @@ WIDTH, BATCH, BATCHES = 1024, 8, 64
 
 # -- the child: one training process ---------------------------------------------------------
 class Marks:
-    """Timestamps of the child, relative to the moment after ``import torch`` and the framework."""
+    """Timestamps of the child, relative to the moment after ``import torch`` and the framework; with ``profile``
+    (a path), a cProfile of the restart up to its first step is written there."""
 
-    def __init__(self) -> None:
+    def __init__(self, profile: str | None = None) -> None:
         self.t0 = time.perf_counter()
         self.marks: dict[str, float] = {}
+        self.profile = profile
+        self._profiler = None
+        if profile:
+            import cProfile
+
+            self._profiler = cProfile.Profile()
+            self._profiler.enable()
 
     def __call__(self, name: str, *, first: bool = False) -> None:
         if not (first and name in self.marks):
@@ -84,19 +92,26 @@ class Marks:
     def report_and_die(self, step: int) -> None:
         """The first training step starts: print the marks (one JSON line) and die as a crash would."""
         self("first_step")
+        if self._profiler is not None:
+            self._profiler.disable()
+            self._profiler.dump_stats(self.profile)
         print("RECOVERY " + json.dumps({"step": step, **self.marks}), flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def instrument(marks: Marks) -> None:
+def instrument(marks: Marks, method: str) -> None:
     """Mark our start-up's phases: the manager's construction, ``resume``, the first step opened, the last load."""
-    from ft_checkpoint import manager, tiers
+    from ft_checkpoint import manager
     from ft_checkpoint.loading import StepLoader
 
     marks.wrap(manager.CheckpointManager, "__init__", "manager_in", "manager_out")
     marks.wrap(manager.CheckpointManager, "resume", "resume_in", "resume_out")
-    loaders = [StepLoader] + [c for c in vars(tiers.fast_tier).values() if isinstance(c, type)
-                              and issubclass(c, StepLoader) and c is not StepLoader]
+    loaders: list[type] = [StepLoader]
+    if method == "fast":  # imported only where a fast tier is configured
+        from ft_checkpoint.tiers import fast_tier
+
+        loaders += [c for c in vars(fast_tier).values() if isinstance(c, type) and issubclass(c, StepLoader)
+                    and c is not StepLoader]
     for cls in loaders:
         for attr, before, after in (("open_step", "open_in", None), ("load", None, "load_out")):
             if attr in vars(cls):
@@ -116,13 +131,15 @@ def lightning_child(args: argparse.Namespace, method: str) -> None:
     import lightning.pytorch as pl
     import torch
 
-    marks = Marks()
+    marks = Marks(args.profile)
     from torch.utils.data import DataLoader, TensorDataset
 
     if method != "framework":
         from lightning_ft import FaultTolerantCheckpoint
 
-        instrument(marks)
+        instrument(marks, method)
+    else:  # the framework's load: torch.load of the checkpoint file
+        marks.wrap(torch, "load", "resume_in", "resume_out")
     marks("imported")
     restart = args.phase == "restart"
 
@@ -168,13 +185,13 @@ def accelerate_child(args: argparse.Namespace, method: str) -> None:
     import accelerate
     import torch
 
-    marks = Marks()
+    marks = Marks(args.profile)
     from torch.utils.data import DataLoader, TensorDataset
 
     if method != "framework":
         from accelerate_ft import FaultTolerantCheckpoint
 
-        instrument(marks)
+        instrument(marks, method)
     marks("imported")
     restart = args.phase == "restart"
     acc = accelerate.Accelerator(cpu=True)
@@ -229,7 +246,11 @@ def child(args: argparse.Namespace, where: dict[str, str], method: str, phase: s
     cmd = [sys.executable, os.path.abspath(__file__), "--child", method, "--phase", phase, "--layers",
            str(args.layers), "--every", str(args.every), "--kill-at", str(args.kill_at), *sum(
                ([f"--{k.replace('_', '-')}", v] for k, v in where.items()), [])]
-    env = {**os.environ, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", "PYTHONWARNINGS": "ignore"}
+    if args.profile and phase == "restart":
+        cmd += ["--profile", args.profile]
+    env = {**os.environ, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", "PYTHONWARNINGS": "ignore",
+           "PYTHONPYCACHEPREFIX": args.pycache}  # every package from bytecode, as after an install (see main)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if proc.returncode != -signal.SIGKILL:
         raise RuntimeError(f"{method} {phase} exited with {proc.returncode}:\n{proc.stdout[-2000:]}"
@@ -250,12 +271,15 @@ def drop_cache(root: str) -> None:
 
 
 def breakdown(m: dict[str, float]) -> dict[str, float]:
-    """Our phases (seconds) from one restart's marks (see the module's docstring)."""
-    opened = m.get("open_in", m["resume_out"])
-    loaded = m.get("load_out", opened)
+    """The phases (seconds) of one restart from its marks (see the module's docstring); for the framework's own
+    resume, ``load`` is its ``torch.load`` (Lightning) or ``load_state`` (Accelerate)."""
+    start = m.get("resume_in", m["first_step"])
+    end = m.get("resume_out", start)
+    opened = m.get("open_in", start)
+    loaded = m.get("load_out", end if "open_in" not in m else opened)
     phases = {"import": m["imported"], "build": m["built"] - m["imported"],
-              "manager": m["manager_out"] - m["manager_in"], "find": opened - m["resume_in"],
-              "load": loaded - opened, "restore": m["first_step"] - m["resume_out"]}
+              "manager": m.get("manager_out", 0.0) - m.get("manager_in", 0.0), "find": opened - start,
+              "load": loaded - opened, "restore": m["first_step"] - end}
     phases["other"] = m["first_step"] - sum(phases.values())
     return phases
 
@@ -269,6 +293,7 @@ def main() -> None:
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated, of: " + ", ".join(METHODS))
     ap.add_argument("--cold", action="store_true", help="drop local checkpoint files from the page cache first")
     ap.add_argument("--dir", default=None, help="local directory for the checkpoints (default: a temp dir)")
+    ap.add_argument("--profile", default=None, help="with --methods M: write a cProfile of M's last restart here")
     for hidden in ("--child", "--phase", "--url", "--fast-dir", "--storage-options"):
         ap.add_argument(hidden, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -278,6 +303,9 @@ def main() -> None:
     methods = args.methods.split(",")
     mb = args.layers * (WIDTH * WIDTH + WIDTH) * 4 * 3 / 1e6
     base = tempfile.mkdtemp(prefix="ft_recovery_", dir=args.dir)
+    # Bytecode of every package is cached in one place of ours, filled by the training runs: where the environment
+    # turns bytecode caching off (PYTHONDONTWRITEBYTECODE), an editable install would be compiled at every start.
+    args.pycache = os.path.join(base, "pycache")
     shm = tempfile.mkdtemp(prefix="ft_recovery_fast_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     server = None
     try:
@@ -331,14 +359,12 @@ def report_tables(args: argparse.Namespace, methods: list[str], runs: dict[str, 
         ratio = f"{best[m] / ref:.2f}x" if ref else "-"
         median = statistics.median(r["first_step"] for r in runs[m])
         print(f"{framework:<11}{label:<44}{best[m]:>8.2f}{median:>10.2f}{ratio:>14}")
-    ours = [m for m in methods if not m.endswith(":framework")]
-    if ours:
-        print(f"\nours, the best restart broken down (s): {', '.join(PHASES)} (see the docstring)")
-        print(f"{'method':<22}" + "".join(f"{p:>9}" for p in PHASES) + f"{'total':>9}")
-        for m in ours:
-            marks = min(runs[m], key=lambda r: r["first_step"])
-            phases = breakdown(marks)
-            print(f"{m:<22}" + "".join(f"{phases[p]:>9.3f}" for p in PHASES) + f"{marks['first_step']:>9.2f}")
+    print(f"\nthe best restart broken down (s): {', '.join(PHASES)} (see the docstring)")
+    print(f"{'method':<22}" + "".join(f"{p:>9}" for p in PHASES) + f"{'total':>9}")
+    for m in methods:
+        marks = min(runs[m], key=lambda r: r["first_step"])
+        phases = breakdown(marks)
+        print(f"{m:<22}" + "".join(f"{phases[p]:>9.3f}" for p in PHASES) + f"{marks['first_step']:>9.2f}")
     print("targets: ours (local disk) <= 1.0x the framework's resume; fast tier <= 0.5x")
 
 

@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ft_checkpoint import layout
 from ft_checkpoint.adaptive.policy import AdaptiveInterval
@@ -60,8 +60,10 @@ from ft_checkpoint.state import (
     to_tree,
 )
 from ft_checkpoint.storage import Storage
-from ft_checkpoint.tiers.fast_tier import FastSave, create_fast_tier
 from ft_checkpoint.units import human_bytes, human_seconds, parse_duration
+
+if TYPE_CHECKING:  # the fast tier is imported only where one may be configured (see __init__)
+    from ft_checkpoint.tiers.fast_tier import FastSave, FastTier
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +115,12 @@ class CheckpointManager:
                         min_interval=c.min_interval, max_interval=c.max_interval)
         self.policy = policy or policy_from_interval(c.interval, **adaptive)
         self.adaptive = find_policy(self.policy, AdaptiveInterval)
-        self.fast = create_fast_tier(c, self.storage.url, self.groups, **adaptive)
+        self.fast: FastTier | None = None
         """The fast tier (``fast_dirpath``), or None: see ``ft_checkpoint.tiers``."""
+        if c.fast_dirpath is not None or self.groups.distributed:  # collective: every rank checks the setting alike
+            from ft_checkpoint.tiers.fast_tier import create_fast_tier
+
+            self.fast = create_fast_tier(c, self.storage.url, self.groups, **adaptive)
         self.tiers = multilevel_for(c.interval, c.fast_interval, self.fast, **adaptive) if policy is None else None
         """Both tiers' adaptive intervals from one plan (both ``"adaptive"``, with a fast tier), or None."""
         if self.tiers is not None and self.fast is not None:
