@@ -253,7 +253,12 @@ def read_manifest(storage: Storage, step: int, *, signer: signing.Signer | None 
         data = storage.read_control(rel, max_bytes=MAX_MANIFEST_BYTES)  # never a FIFO, a link, a huge file
     except StorageNotFoundError as e:
         raise CheckpointCorruptError("manifest.json is missing") from e
-    manifest = Manifest.from_json(data, where=storage.url_of(rel))
+    return check_manifest(Manifest.from_json(data, where=storage.url_of(rel)), step, signer=signer)
+
+
+def check_manifest(manifest: Manifest, step: int, *, signer: signing.Signer | None = None) -> Manifest:
+    """``manifest`` if it is the one of ``step`` (and with a ``signer``, signed for this run and step): see
+    :func:`read_manifest`, which reads it first."""
     if signer is not None:
         signer.check(manifest, step)
     if manifest.step != step:
@@ -261,18 +266,47 @@ def read_manifest(storage: Storage, step: int, *, signer: signing.Signer | None 
     return manifest
 
 
+@dataclasses.dataclass
+class Listing:
+    """The step directories of a checkpoint directory, listed once, and the manifests that parse, each read once:
+    what a start needs (the newest committed step, the candidates of a resume), without reading them again.
+
+    Example:
+        >>> Listing.of(Storage("memory://doc/listing")).newest is None
+        True
+    """
+
+    steps: dict[int, bool]
+    """``{step: has a manifest.json}``, as :func:`list_steps` returns it."""
+    manifests: dict[int, Manifest]
+    """The manifests that parse (not checked against a signing key: a resume does that)."""
+
+    @classmethod
+    def of(cls, storage: Storage, steps: dict[int, bool] | None = None) -> Listing:
+        """List ``storage`` (or take ``steps``) and read every manifest once; one that does not parse is warned about."""
+        steps = list_steps(storage) if steps is None else steps
+        manifests = {}
+        for step in sorted(s for s, has_manifest in steps.items() if has_manifest):
+            try:
+                manifests[step] = read_manifest(storage, step)
+            except CheckpointCorruptError as e:
+                log.warning("step %d in %s does not count as committed: %s", step, storage.url, e)
+        return cls(steps=steps, manifests=manifests)
+
+    @property
+    def committed(self) -> list[int]:
+        """Steps whose manifest parses, ascending: what counts as committed."""
+        return sorted(self.manifests)
+
+    @property
+    def newest(self) -> int | None:
+        """The newest committed step, or None."""
+        return max(self.manifests, default=None)
+
+
 def committed_steps(storage: Storage, steps: dict[int, bool] | None = None) -> list[int]:
     """Steps whose manifest exists and parses (ascending): what counts as committed. One small read each."""
-    steps = list_steps(storage) if steps is None else steps
-    out = []
-    for step in sorted(s for s, has_manifest in steps.items() if has_manifest):
-        try:
-            read_manifest(storage, step)
-        except CheckpointCorruptError as e:
-            log.warning("step %d in %s does not count as committed: %s", step, storage.url, e)
-            continue
-        out.append(step)
-    return out
+    return Listing.of(storage, steps).committed
 
 
 # -- checking ----------------------------------------------------------------------------------
@@ -328,11 +362,13 @@ OnBytes = Callable[[int], None]
 
 
 def check_step(storage: Storage, step: int, *, checksums: bool | Callable[[str], bool] = False,
-               on_bytes: OnBytes | None = None, signer: signing.Signer | None = None) -> StepCheck:
+               on_bytes: OnBytes | None = None, signer: signing.Signer | None = None,
+               manifest: Manifest | None = None) -> StepCheck:
     """Check a step: the manifest (with a ``signer``, its signature first: nothing else is looked at in a
     step it refuses), every file's size and kind, no file it does not list, and checksums (``True``: every
     file; a predicate: the files it selects, e.g. this rank's share; ``False``: none — a resume verifies
-    format-2 data as it reads it).
+    format-2 data as it reads it). ``manifest``: the step's manifest as a :class:`Listing` read it moments
+    ago (checked here like one read now, and not read again).
 
     Example:
         >>> check_step(Storage("memory://doc/check"), 7).problems
@@ -341,7 +377,8 @@ def check_step(storage: Storage, step: int, *, checksums: bool | Callable[[str],
     result = StepCheck(step=step)
     rel = step_dir(step)
     try:
-        result.manifest = manifest = read_manifest(storage, step, signer=signer)
+        result.manifest = manifest = (read_manifest(storage, step, signer=signer) if manifest is None
+                                      else check_manifest(manifest, step, signer=signer))
     except SignatureError as e:
         result.signature = REFUSED
         result.problems.append(str(e))

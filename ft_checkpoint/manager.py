@@ -22,7 +22,8 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
 from ft_checkpoint import layout
 from ft_checkpoint.adaptive.policy import AdaptiveInterval
@@ -59,8 +60,10 @@ from ft_checkpoint.state import (
     to_tree,
 )
 from ft_checkpoint.storage import Storage
-from ft_checkpoint.tiers.fast_tier import FastSave, create_fast_tier
 from ft_checkpoint.units import human_bytes, human_seconds, parse_duration
+
+if TYPE_CHECKING:  # the fast tier is imported only where one may be configured (see __init__)
+    from ft_checkpoint.tiers.fast_tier import FastSave, FastTier
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +115,12 @@ class CheckpointManager:
                         min_interval=c.min_interval, max_interval=c.max_interval)
         self.policy = policy or policy_from_interval(c.interval, **adaptive)
         self.adaptive = find_policy(self.policy, AdaptiveInterval)
-        self.fast = create_fast_tier(c, self.storage.url, self.groups, **adaptive)
+        self.fast: FastTier | None = None
         """The fast tier (``fast_dirpath``), or None: see ``ft_checkpoint.tiers``."""
+        if c.fast_dirpath is not None or self.groups.distributed:  # collective: every rank checks the setting alike
+            from ft_checkpoint.tiers.fast_tier import create_fast_tier
+
+            self.fast = create_fast_tier(c, self.storage.url, self.groups, **adaptive)
         self.tiers = multilevel_for(c.interval, c.fast_interval, self.fast, **adaptive) if policy is None else None
         """Both tiers' adaptive intervals from one plan (both ``"adaptive"``, with a fast tier), or None."""
         if self.tiers is not None and self.fast is not None:
@@ -123,7 +130,9 @@ class CheckpointManager:
             self.fast.on_commit, self.fast.signer = self._fast_committed, self.signer
         self.journal = Journal(self.storage, enabled=self.rank == 0, progress_every=parse_duration(c.progress_interval))
         self.lease = Lease(self.storage, attempt=self.journal.attempt)
-        self.groups.on_rank0(lambda: self.lease.acquire(force=c.force_takeover))
+        self._listing: layout.Listing | None = self.groups.on_rank0(lambda: self._acquire_and_list(c.force_takeover))
+        """The steps as this start listed them (rank 0's, on every rank): the first ``resume`` takes its candidates
+        from it unless a save came before, then drops it."""
         self.engine = CheckpointEngine(self.storage, self.groups, writers=c.writers, writer=c.writer,
                                        priority=c.writer_priority, signer=self.signer)
         self.loader = StepLoader(self.storage, self.groups)
@@ -167,10 +176,18 @@ class CheckpointManager:
         """What the last resume loaded, in words: ``"3.6 MB verified and loaded in 0.1 s"``."""
         self._offered: tuple[int, Mapping[str, Any], dict[str, Any]] | None = None
         """The last ``maybe_save``'s step, state and options: what a final save saves."""
-        self._newest_committed: int | None = self.latest()
+        self._newest_committed: int | None = self._listing.newest if self._listing is not None else self.latest()
         self._participants = Participants()
         self._last_save_time = time.monotonic()
         self._announced = self._closed = False
+
+    def _acquire_and_list(self, force: bool) -> layout.Listing:
+        """Rank 0's start-up I/O: take the lease while another thread lists the steps and reads their manifests (both
+        wait on the storage; the listing only reads, so nothing is written before the lease is held)."""
+        with ThreadPoolExecutor(1, thread_name_prefix="ft-checkpoint-list") as pool:
+            listing = pool.submit(layout.Listing.of, self.storage)
+            self.lease.acquire(force=force)
+            return listing.result()
 
     @property
     def rank(self) -> int:
@@ -454,8 +471,11 @@ class CheckpointManager:
         if self.fast is not None and not self._participants.split(state)[1]:
             fast, touched = self.fast.resume(load, durable_newest=self._newest_committed)
             found_in_fast, why = self.fast.failure_class, self.fast.why
-        found, source = (fast[:2], fast[2]) if fast is not None else self._resume_durable(load, touched)
-        self._newest_committed = self.latest()
+        listing, self._listing = self._listing, None  # what this start listed serves its first resume only,
+        listing = listing if self.last_save is None else None  # and only before this manager saved anything
+        found, source = (fast[:2], fast[2]) if fast is not None else self._resume_durable(load, touched, listing)
+        if not (self._newest_committed is None or (found is not None and found[0].step >= self._newest_committed)):
+            self._newest_committed = self.latest()  # fell back past the newest: it may be set aside now
         if self.signer is not None and self.rank == 0:
             warn_if_rolled_back(self.storage, found[0].step if found else None)
         if found is None:
@@ -476,19 +496,22 @@ class CheckpointManager:
         if self.tiers is not None and self.rank == 0:
             self.tiers.observe_failure(found_in_fast)
             if tier == "fast":  # the durable tier's next save comes as long after its newest step as planned
-                self._last_save_time -= self._durable_age(manifest)
+                self._last_save_time -= self._durable_age(manifest, listing)
         self.loaded = f"{human_bytes(manifest.total_bytes)} verified and loaded in {human_seconds(seconds)}"
         if self.rank == 0:
             log.debug("resuming from step %d (%s): %s", manifest.step, source, self.loaded)
         self._announce_start()
         return manifest.step
 
-    def _durable_age(self, fast: layout.Manifest) -> float:
-        """How long the fast-tier step ``fast`` was saved after the durable tier's newest step (seconds; inf: none)."""
+    def _durable_age(self, fast: layout.Manifest, listing: layout.Listing | None) -> float:
+        """How long the fast-tier step ``fast`` was saved after the durable tier's newest step (seconds; inf: none);
+        its manifest from ``listing`` if there."""
         if self._newest_committed is None:
             return float("inf")
         try:
-            return max(0.0, fast.time - layout.read_manifest(self.storage, self._newest_committed).time)
+            known = listing.manifests.get(self._newest_committed) if listing is not None else None
+            durable = known if known is not None else layout.read_manifest(self.storage, self._newest_committed)
+            return max(0.0, fast.time - durable.time)
         except (StorageError, CheckpointCorruptError, ValueError) as e:
             log.debug("the durable tier's newest step has no readable time: %s", e)
             return 0.0
@@ -505,14 +528,18 @@ class CheckpointManager:
         if learner is not None:
             learner.observe_save(cost=cost, durable=save.duration or 0.0)
 
-    def _resume_durable(self, load: Callable[[StepLoader, Any], Any], touched: bool) -> tuple[Any, str]:
+    def _resume_durable(self, load: Callable[[StepLoader, Any], Any], touched: bool,
+                        listing: layout.Listing | None) -> tuple[Any, str]:
         """``(found, source)`` from the durable tier (see ``resume_newest``); ``touched``: a fast-tier step failed while
-        it was loaded into the state, so finding nothing here is an error, not a fresh start."""
+        it was loaded into the state, so finding nothing here is an error, not a fresh start. ``listing``: the steps
+        and manifests this start read already (None: list them now)."""
+        manifests = listing.manifests if listing is not None else {}
         found = resume_newest(
             self.storage, self.groups, open_step=self.loader.open_step,
             check=lambda step: check_for_resume(self.storage, step, rank=self.rank, world_size=self.groups.world_size,
-                                                signer=self.signer),
-            load=lambda opened: load(self.loader, opened), touches=lambda opened: opened.touches)
+                                                signer=self.signer, manifest=manifests.get(step)),
+            load=lambda opened: load(self.loader, opened), touches=lambda opened: opened.touches,
+            steps=list(listing.steps) if listing is not None else None)
         if found is None and touched:
             raise CheckpointCorruptError(
                 "a fast-tier step failed while it was loaded into the state, which may now be partly overwritten, "

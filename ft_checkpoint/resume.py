@@ -53,15 +53,16 @@ Opened = TypeVar("Opened")
 
 
 def check_for_resume(storage: Storage, step: int, *, rank: int = 0, world_size: int = 1,
-                     signer: Signer | None = None) -> layout.Manifest:
+                     signer: Signer | None = None, manifest: layout.Manifest | None = None) -> layout.Manifest:
     """Phase 1 for one rank: the step's manifest (with a ``signer``, its signature first), sizes, kinds and
     unlisted files; for a format-1 step also the checksums of this rank's share of its files (format 2 is
-    checked as it is read).
+    checked as it is read). ``manifest``: as a :class:`~ft_checkpoint.layout.Listing` of this start read it
+    (checked like one read now; None: read it).
 
     Raises:
         CheckpointCorruptError: naming the first problems (SignatureError: the signature was refused).
     """
-    manifest = layout.check_step(storage, step, signer=signer).raise_if_bad()
+    manifest = layout.check_step(storage, step, signer=signer, manifest=manifest).raise_if_bad()
     if manifest.format_version == 1:
         rel = layout.step_dir(step)
         for i, (name, entry) in enumerate(sorted(manifest.files.items())):
@@ -72,14 +73,17 @@ def check_for_resume(storage: Storage, step: int, *, rank: int = 0, world_size: 
 
 def resume_newest(storage: Storage, groups: Groups, *, check: Callable[[int], layout.Manifest],
                   open_step: Callable[[layout.Manifest], Opened], load: Callable[[Opened], T],
-                  touches: Callable[[Opened], bool] = lambda opened: True) -> tuple[layout.Manifest, T] | None:
+                  touches: Callable[[Opened], bool] = lambda opened: True,
+                  steps: list[int] | None = None) -> tuple[layout.Manifest, T] | None:
     """``(manifest, what load returned)`` for the newest step that passes ``check``, ``open_step`` and ``load``
     on every rank, or None when no step was ever committed (or every one is corrupt and nothing was
     loaded). ``load`` is collective; the three may raise CheckpointCorruptError or StateMismatchError
     (skip the step), or StorageError (stop). ``touches(opened)`` tells whether a ``load`` that fails may
     have changed the state already (it fills tensors of the state in place). SignatureError (from ``check``):
-    the step is skipped, and if no step passes ``check``, raised (see the module's docstring)."""
-    candidates = groups.on_rank0(lambda: sorted(layout.list_steps(storage), reverse=True))
+    the step is skipped, and if no step passes ``check``, raised (see the module's docstring). ``steps``: the
+    step directories as this start listed them already (the same on every rank); None: rank 0 lists them."""
+    listed = steps if steps is not None else groups.on_rank0(lambda: list(layout.list_steps(storage)))
+    candidates = sorted(listed, reverse=True)
     skipped: list[int] = []
     unfit: list[str] = []
     refused: dict[int, str] = {}  # steps whose signature a rank refused, and why

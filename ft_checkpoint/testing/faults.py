@@ -7,7 +7,8 @@ listing, a delete) may fail with a ``ConnectionResetError`` (a transient error, 
 storage layer) at ``transient_rate``, sleep ``latency`` seconds at ``latency_rate``, or, with
 ``outage=True``, always fail with ``ConnectionRefusedError``. ``refuse_reads`` (``fnmatch`` patterns of file
 names) makes every read of a matching file fail with ``PermissionError``: a test that a resume took its data
-from elsewhere (the fast tier) asserts it so.
+from elsewhere (the fast tier) asserts it so. ``reads`` lists every file opened for reading, in order: a test
+counts what a start reads.
 
 Example:
     >>> from ft_checkpoint.storage import Storage
@@ -44,6 +45,8 @@ class FaultyFileSystem(LocalFileSystem):
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self.injected = 0
+        self.reads: list[str] = []
+        """Every path opened for reading, in order."""
 
     @classmethod
     def _strip_protocol(cls, path: Any) -> str:
@@ -69,6 +72,9 @@ class FaultyFileSystem(LocalFileSystem):
         name = posixpath.basename(str(path))
         if "r" in mode and any(fnmatch.fnmatchcase(name, pattern) for pattern in self.refuse_reads):
             raise PermissionError(f"refused by the test (refuse_reads): reading {path}")
+        if "r" in mode:
+            with self._lock:
+                self.reads.append(self._strip_protocol(path))
         return super()._open(path, mode, *args, **kwargs)
 
     def pipe_file(self, path: Any, value: bytes, *args: Any, **kwargs: Any) -> None:
