@@ -83,6 +83,8 @@ class SaveStats:
     """Seconds from the start of the save until its manifest was written."""
     bytes: int | None = None
     committed: bool = False
+    deferred: int = 0
+    """Bytes of parameters and optimizer state whose copy was deferred to the next optimizer step (``lazy``)."""
     step_wait: float = 0.0
     """Seconds the next optimizer step (or save, wait, close) waited for the lazy copy (``lazy_snapshot``)."""
     abandoned: str | None = None
@@ -233,9 +235,15 @@ class CheckpointEngine:
 
         if self._copier is None:
             self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-checkpoint-snapshot")
-        self._lazy = snapshot.LazyCopy(sources, staged, on_wait=waited)
-        self._copier.submit(self._lazy.run)
-        return self._lazy
+        self._lazy = lazy = snapshot.LazyCopy(sources, staged, on_wait=waited)
+        stats.deferred = sum(t.numel() * t.element_size() for t in sources.values())
+
+        def copy() -> None:
+            self.phase("copying", stats.step)
+            lazy.run()
+
+        self._copier.submit(copy)
+        return lazy
 
     def _settle(self) -> None:
         """Settle this engine's lazy copy, if one is pending (the training thread, before waiting on the writer)."""
@@ -255,8 +263,8 @@ class CheckpointEngine:
             raise SaveError(f"background save to {self.storage.url} failed: {what}") from e
 
     def phase(self, phase: str, step: int) -> None:
-        """Report a phase to :attr:`phase_hook` (staging, staged, writing, data_written, committing,
-        committed; the manager adds retention and resuming)."""
+        """Report a phase to :attr:`phase_hook` (staging, staged, copying (on the lazy copy's thread), writing,
+        data_written, committing, committed; the manager adds retention and resuming)."""
         if self.phase_hook is not None:
             self.phase_hook(phase, step)
 

@@ -55,11 +55,15 @@ _handle: Any = None
 
 def install() -> None:
     """Register the global optimizer step pre-hook (once per process): it learns which optimizers step, and
-    before each step settles every lazy copy still pending."""
+    before each step settles every lazy copy still pending. At interpreter exit the pending copies are settled
+    before the background threads are joined (a writer waiting for a settlement would be waited for forever)."""
     global _handle
     with _lock:
         if _handle is None:
             _handle = register_optimizer_step_pre_hook(_before_step)
+            at_threading_exit = getattr(threading, "_register_atexit", None)  # runs before threads are joined
+            if at_threading_exit is not None:
+                at_threading_exit(settle_all)
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -146,8 +150,7 @@ class LazyCopy:
 
     def verdict(self) -> list[str]:
         """The keys changed in place before their copy was settled (empty: a consistent snapshot). Waits for
-        :meth:`settle`; once the training thread has ended (interpreter exit), settles here. Raises the copy's
-        error, if any."""
+        :meth:`settle`; once the main thread has ended, settles here. Raises the copy's error, if any."""
         while not self._settled.wait(0.2):
             if not threading.main_thread().is_alive():
                 self.settle()
