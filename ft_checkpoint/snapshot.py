@@ -4,7 +4,8 @@ Parameters and optimizer state change only in an optimizer step, so a save need 
 it copies everything else at once (buffers such as BatchNorm's running statistics, tensors of no optimizer,
 small tensors, the non-tensor state, RNG states, the data position) and returns; the rest is copied on a
 thread of its own, and the next optimizer step (a global ``torch.optim`` step pre-hook, so plain loops,
-Lightning and Accelerate get it without a call of their own) first waits until that copy is done.
+Lightning and Accelerate get it without a call of their own) first waits until that copy is done. A step
+given a closure (Lightning runs the forward and backward in one) waits when the closure returns.
 
 A tensor edited in place between the save and that step (a hand-written update, ``p.mul_(...)`` under
 ``no_grad``) may have been copied before or after the edit. Every deferred tensor's version counter is read
@@ -40,11 +41,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 log = logging.getLogger(__name__)
 
-MIN_BYTES = 1 << 16
+MIN_BYTES = 1024
 """Tensors smaller than this are always copied at the save (deferring them saves next to nothing)."""
 
 _optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -60,15 +61,37 @@ def install() -> None:
     global _handle
     with _lock:
         if _handle is None:
-            _handle = register_optimizer_step_pre_hook(_before_step)
+            _handle = (register_optimizer_step_pre_hook(_before_step), register_optimizer_step_post_hook(_after_step))
             at_threading_exit = getattr(threading, "_register_atexit", None)  # runs before threads are joined
             if at_threading_exit is not None:
                 at_threading_exit(settle_all)
 
 
-def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+    """Settle the pending copies now; with a closure (Lightning's automatic optimization runs the forward and
+    backward in it), right after the closure returns, before the step changes any parameter."""
     _optimizers.add(optimizer)
-    settle_all()
+    if not _pending:
+        return None
+    closure = kwargs.get("closure", args[0] if args else None)
+    if not callable(closure):
+        settle_all()
+        return None
+
+    def settled_after() -> Any:
+        result = closure()
+        settle_all()
+        return result
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": settled_after}
+    return (settled_after, *args[1:]), kwargs
+
+
+def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """A step that never called its closure: settle now (a parameter it changed makes the snapshot torn)."""
+    if _pending:
+        settle_all()
 
 
 def settle_all() -> None:

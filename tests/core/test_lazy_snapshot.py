@@ -21,8 +21,8 @@ from ft_checkpoint.config import CheckpointConfig
 from ft_checkpoint.storage import Storage
 from tests.helpers.toy import assert_same
 
-FEATURES = 16384
-"""BatchNorm's running statistics are 64 KiB each: as large as a deferred tensor may be (``snapshot.MIN_BYTES``)."""
+FEATURES = 4096
+"""BatchNorm's running statistics (16 KiB each) are large enough to be deferred, were they an optimizer's."""
 
 
 def make(seed: int, *, ema: bool) -> dict[str, Any]:
