@@ -239,8 +239,10 @@ class CheckpointEngine:
         stats.deferred = sum(t.numel() * t.element_size() for t in sources.values())
 
         def copy() -> None:
-            self.phase("copying", stats.step)
-            lazy.run()
+            try:
+                self.phase("copying", stats.step)
+            finally:  # the copy runs whatever a phase hook does: a step waits for it
+                lazy.run()
 
         self._copier.submit(copy)
         return lazy
@@ -274,8 +276,11 @@ class CheckpointEngine:
         def job() -> SaveStats:
             if self.writer == "thread":
                 set_thread_priority(self.priority)
-            if lazy is not None and self._torn(stats, lazy.verdict()):
-                return stats
+            if lazy is not None:  # the durable write starts once copied; only its commit waits for the verdict
+                lazy.wait_copied()
+                staged["lazy"] = lazy
+                if (tier_write is not None or not stats.durable) and self._torn(stats, lazy.verdict()):
+                    return stats  # the fast tier commits on its own: it writes only a settled snapshot
             staged["rank_file"] = _serialize(staged["rank_file"])
             if tier_write is not None:
                 tier_write(staged)
@@ -285,6 +290,8 @@ class CheckpointEngine:
             if listener is not None:
                 listener.on_write_start(stats)
             total = self._write(stats, staged, fields, listener)
+            if stats.abandoned is not None:
+                return stats
             stats.duration, stats.bytes, stats.committed = time.perf_counter() - start + stats.stall, total, True
             if listener is not None:
                 listener.on_commit(stats)
@@ -333,6 +340,10 @@ class CheckpointEngine:
                                     arena=self._stager.arena)
         dcp.save(tensors, storage_writer=writer, process_group=g.writer, no_dist=not g.distributed)
         self.phase("data_written", step)
+        lazy = staged.get("lazy")
+        if lazy is not None and self._torn(stats, sorted({k for c in self._agree(step, lazy.verdict, gather=True)
+                                                          for k in c})):
+            return None  # every rank abandons the step: one rank's torn snapshot is the step's
         files = {**writer.files, **{name: entry for (name, entry), _, _ in shared}, **own}
         return self._agree(step, lambda: self._commit(stats, files, fields, listener) if g.rank == 0 else None,
                            gather=True)[0]

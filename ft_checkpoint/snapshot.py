@@ -171,6 +171,12 @@ class LazyCopy:
         self._settled.set()
         _pending.discard(self)
 
+    def wait_copied(self) -> None:
+        """Wait until every copy is done (the staged bytes may be read); raise the copy's error, if any."""
+        self._copied.wait()
+        if self._error is not None:
+            raise self._error
+
     def verdict(self) -> list[str]:
         """The keys changed in place before their copy was settled (empty: a consistent snapshot). Waits for
         :meth:`settle`; once the main thread has ended, settles here. Raises the copy's error, if any."""

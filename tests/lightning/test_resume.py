@@ -278,13 +278,11 @@ class HoldCopy(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.gate.clear()  # runs before the checkpoint callback's save
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+    def release(self, *_: object) -> None:
+        """Inside the step's closure, after the backward; and wherever the checkpoint callback settles the copy."""
         self.gate.set()
 
-    on_validation_start = on_train_epoch_end = on_train_end = lambda self, *_: self.gate.set()  # noqa: E731
-
-    def on_exception(self, trainer, pl_module, exception) -> None:
-        self.gate.set()
+    on_before_optimizer_step = on_validation_start = on_train_epoch_end = on_train_end = on_exception = release
 
 
 def test_lazy_snapshot_resumes_exactly(tmp_path, reference):
