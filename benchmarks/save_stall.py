@@ -20,7 +20,9 @@ unmeasured (buffers allocated, the page cache recycling freed pages: the steady 
 ``--sizes 1,10,100,800`` prints instead, per state size, the time a training loop is blocked by a save: the
 ``save`` call plus any wait at the next optimizer step (``lazy_snapshot``: parameters and optimizer state are
 copied while the next forward/backward runs), against the staging-copy floor and a synchronous ``torch.save``
-(fsynced), with a forward/backward long enough to cover the copy (``covered``) and one too short (``short``),
+(fsynced), with a forward/backward long enough to cover the copy (``covered``) and none at all (``short``: the
+optimizer step right after the save; a forward/backward of one row still covers the copy here, as its backward
+writes every gradient),
 and with ``lazy_snapshot=False`` (``eager``). ``--profile`` adds where a small save's call spends its time.
 
     python benchmarks/save_stall.py --sizes 1,10,100,800
@@ -171,9 +173,10 @@ class Ours:
         self.ckpt.close()
 
 
-def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor) -> None:
-    """One forward, backward and optimizer step."""
-    model(batch).square().mean().backward()
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor | None) -> None:
+    """One forward, backward and optimizer step (no forward/backward with ``batch=None``: the step at once)."""
+    if batch is not None:
+        model(batch).square().mean().backward()
     opt.step()
     opt.zero_grad(set_to_none=False)
 
@@ -191,12 +194,12 @@ def batch_covering(model: torch.nn.Module, seconds: float, device: str) -> torch
     return torch.randn(max(1, round(64 * seconds / took)), width, device=device)
 
 
-def blocked(model, opt, d: str, batch: torch.Tensor, rounds: int, lazy: bool) -> list[tuple[float, float]]:
+def blocked(model, opt, d: str, batch: torch.Tensor | None, rounds: int, lazy: bool) -> list[tuple[float, float]]:
     """``(save call, wait at the next optimizer step)`` of ``rounds`` saves of a training loop (after 2 unmeasured)."""
     ckpt = CheckpointManager(d, interval=1, keep_last=2, announce=False, lazy_snapshot=lazy)
     state, out = {"model": model, "optim": opt}, []
     for step in range(1, rounds + 3):
-        train_step(model, opt, batch)
+        train_step(model, opt, batch if batch is not None else torch.randn(1, model[0].in_features))
         t0 = time.perf_counter()
         stats = ckpt.save(step, state)
         call = time.perf_counter() - t0
@@ -240,9 +243,8 @@ def sizes_table(sizes: list[float], device: str, repeats: int, base: str, profil
         os.makedirs(d)
         plain = statistics.median(bench_torch_save(model, opt, d, i)[0] for i in range(repeats + 1))
         shutil.rmtree(d)
-        batches = {"covered": batch_covering(model, 3 * floor + 0.01, device), "short": batch_covering(model, 0.0, device)}
-        for mode, lazy, batch in [("eager", False, batches["covered"]), ("covered", True, batches["covered"]),
-                                  ("short", True, batches["short"])]:
+        covering = batch_covering(model, 3 * floor + 0.01, device)
+        for mode, lazy, batch in [("eager", False, covering), ("covered", True, covering), ("short", True, None)]:
             t0 = time.perf_counter()
             train_step(model, opt, batch)
             fwd = time.perf_counter() - t0
