@@ -73,7 +73,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tu
     _optimizers.add(optimizer)
     if not _pending:
         return None
-    closure = kwargs.get("closure", args[0] if args else None)
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer itself
     if not callable(closure):
         settle_all()
         return None
@@ -85,7 +85,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tu
 
     if "closure" in kwargs:
         return args, {**kwargs, "closure": settled_after}
-    return (settled_after, *args[1:]), kwargs
+    return (args[0], settled_after, *args[2:]), kwargs
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

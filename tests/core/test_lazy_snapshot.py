@@ -40,14 +40,14 @@ def make(seed: int, *, ema: bool) -> dict[str, Any]:
 class HeldCopy:
     """Holds each save's deferred copy (its ``copying`` phase, on the copy thread) until :meth:`release`."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: float = 60) -> None:
         self.gate = threading.Event()
-        self.copies = 0
+        self.copies, self.timeout, self.timed_out = 0, timeout, False
 
     def __call__(self, phase: str, step: int) -> None:
         if phase == "copying":
             self.copies += 1
-            assert self.gate.wait(60), "the deferred copy was never released"
+            self.timed_out |= not self.gate.wait(self.timeout)
 
     def hold(self) -> None:
         self.gate.clear()
@@ -174,3 +174,27 @@ def test_a_process_that_exits_right_after_a_save_does_not_hang(tmp_path, python)
     """)
     out = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and int(out.stdout.split()[-1]) > 0, out.stdout + out.stderr
+
+
+def test_a_step_with_a_closure_waits_for_the_copy_after_the_closure(tmp_path):
+    """``opt.step(closure)`` (Lightning's automatic optimization) runs the forward/backward inside the step: the
+    copy is waited for when the closure returns, so it overlaps them (held until the backward is done here; a
+    wait before the closure would wait out the hold)."""
+    state, held = make(0, ema=False), HeldCopy(timeout=10)
+    model, opt = state["model"], state["optim"]
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(torch.ones(8, 16)).square().mean()
+        loss.backward()
+        held.release()
+        return loss
+
+    with CheckpointManager(str(tmp_path), interval=1000, announce=False, final_save=False) as ckpt:
+        ckpt.engine.phase_hook = held
+        opt.step(closure)
+        held.hold()
+        saved = ckpt.save(1, state)
+        opt.step(closure)
+        assert saved.deferred > 0 and held.copies == 1 and not held.timed_out
+    assert saved.committed and saved.abandoned is None
