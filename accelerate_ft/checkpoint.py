@@ -105,7 +105,8 @@ class FaultTolerantCheckpoint:
                  on_save_error: str | None = None, preemption_signals: tuple[str, ...] | list[str] | str | None = None,
                  requeue: bool | None = None, end_time_margin: float | str | datetime.timedelta | None = None,
                  preemption_exit_code: int | None = None, writer: str | None = None, writer_priority: int | None = None,
-                 writers: int | None = None, signing_key: str | None = None, signing_key_file: str | None = None,
+                 writers: int | None = None, lazy_snapshot: bool | None = None, signing_key: str | None = None,
+                 signing_key_file: str | None = None,
                  run_name: str | None = None, fast_dirpath: str | None = None,
                  fast_interval: int | datetime.timedelta | str | None = None, fast_replicas: int | None = None,
                  node_id: str | None = None, **misspelled: Any) -> None:

@@ -75,6 +75,7 @@ class FaultTolerantCheckpointPlugin:
     writer: str | None = None
     writer_priority: int | None = None
     writers: int | None = None
+    lazy_snapshot: bool | None = None
     signing_key: str | None = dataclasses.field(default=None, repr=False)
     signing_key_file: str | None = None
     run_name: str | None = None

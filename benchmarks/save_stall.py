@@ -16,6 +16,17 @@ unmeasured (buffers allocated, the page cache recycling freed pages: the steady 
 
     python benchmarks/save_stall.py                 # ~800 MB, CPU
     python benchmarks/save_stall.py --device cuda   # on a GPU machine
+
+``--sizes 1,10,100,800`` prints instead, per state size, the time a training loop is blocked by a save: the
+``save`` call plus any wait at the next optimizer step (``lazy_snapshot``: parameters and optimizer state are
+copied while the next forward/backward runs), against the staging-copy floor and a synchronous ``torch.save``
+(fsynced), with a forward/backward long enough to cover the copy (``covered``) and none at all (``short``: the
+optimizer step right after the save; a forward/backward of one row still covers the copy here, as its backward
+writes every gradient),
+and with ``lazy_snapshot=False`` (``eager``). ``--profile`` adds where a small save's call spends its time.
+
+    python benchmarks/save_stall.py --sizes 1,10,100,800
+    python benchmarks/save_stall.py --sizes 1,10,100 --device cuda
 """
 
 from __future__ import annotations
@@ -39,9 +50,10 @@ except ImportError:  # imported as benchmarks.save_stall (from the repository ro
     from benchmarks.floor_saver import write_durably
 
 
-def make_state(mb: int, device: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """A model of ``mb / 3`` MB of fp32 weights plus Adam's two moments: ``mb`` MB in all."""
-    width = 2048
+def make_state(mb: float, device: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A model of ``mb / 3`` MB of fp32 weights plus Adam's two moments: ``mb`` MB in all (layers 2048 wide, or
+    one narrower layer below 50 MB)."""
+    width = min(2048, max(16, int((mb * 1e6 / 3 / 4) ** 0.5)))
     layers = max(1, round(mb * 1e6 / 3 / 4 / (width * width)))
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -161,6 +173,93 @@ class Ours:
         self.ckpt.close()
 
 
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor | None) -> None:
+    """One forward, backward and optimizer step (no forward/backward with ``batch=None``: the step at once)."""
+    if batch is not None:
+        model(batch).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+
+
+def batch_covering(model: torch.nn.Module, seconds: float, device: str) -> torch.Tensor:
+    """A batch whose forward/backward takes about ``seconds`` (at least one row)."""
+    width = model[0].in_features
+    probe = torch.randn(64, width, device=device)
+    for _ in range(2):  # the second is the one timed
+        t0 = time.perf_counter()
+        model(probe).square().mean().backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        took = time.perf_counter() - t0
+    return torch.randn(max(1, round(64 * seconds / took)), width, device=device)
+
+
+def blocked(model, opt, d: str, batch: torch.Tensor | None, rounds: int, lazy: bool) -> list[tuple[float, float]]:
+    """``(save call, wait at the next optimizer step)`` of ``rounds`` saves of a training loop (after 2 unmeasured)."""
+    ckpt = CheckpointManager(d, interval=1, keep_last=2, announce=False, lazy_snapshot=lazy)
+    state, out = {"model": model, "optim": opt}, []
+    for step in range(1, rounds + 3):
+        train_step(model, opt, batch if batch is not None else torch.randn(1, model[0].in_features))
+        t0 = time.perf_counter()
+        stats = ckpt.save(step, state)
+        call = time.perf_counter() - t0
+        train_step(model, opt, batch)  # the forward/backward the copy overlaps; its step waits for the copy
+        ckpt.wait(retention=True)
+        if step > 2:
+            out.append((call, stats.step_wait))
+    ckpt.close()
+    return out
+
+
+def profile_small_save(model, opt, d: str) -> None:
+    """Where the save call of a small state spends its time (cProfile, cumulative, the top entries)."""
+    import cProfile
+    import pstats
+
+    ckpt = CheckpointManager(d, interval=1, keep_last=2, announce=False)
+    state = {"model": model, "optim": opt}
+    for step in range(1, 4):
+        ckpt.save(step, state)
+        ckpt.wait(retention=True)
+    prof = cProfile.Profile()
+    for step in range(4, 24):
+        prof.enable()
+        ckpt.save(step, state)
+        prof.disable()
+        ckpt.wait(retention=True)
+    ckpt.close()
+    print("\nprofile of 20 save calls (cumulative seconds):")
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(18)
+
+
+def sizes_table(sizes: list[float], device: str, repeats: int, base: str, profile: bool) -> None:
+    """The blocked-time table (see the module's docstring), one row per state size and mode."""
+    print(f"{'state':>8}{'mode':>9}{'fwd/bwd s':>11}{'call s':>9}{'step wait s':>13}{'blocked s':>11}{'floor s':>9}"
+          f"{'torch.save s':>14}{'/floor':>8}{'/torch.save':>13}")
+    for mb in sizes:
+        model, opt = make_state(mb, device)
+        floor = copy_floor(model, opt, repeats=5)
+        d = os.path.join(base, f"ts_{mb}")
+        os.makedirs(d)
+        plain = statistics.median(bench_torch_save(model, opt, d, i)[0] for i in range(repeats + 1))
+        shutil.rmtree(d)
+        covering = batch_covering(model, 3 * floor + 0.01, device)
+        for mode, lazy, batch in [("eager", False, covering), ("covered", True, covering), ("short", True, None)]:
+            t0 = time.perf_counter()
+            train_step(model, opt, batch)
+            fwd = time.perf_counter() - t0
+            rows = blocked(model, opt, os.path.join(base, f"{mode}_{mb}"), batch, repeats, lazy)
+            call, wait = (statistics.median(r[k] for r in rows) for k in range(2))
+            total = statistics.median(r[0] + r[1] for r in rows)
+            print(f"{state_bytes(model, opt) / 1e6:>6.0f}MB{mode:>9}{fwd:>11.3f}{call:>9.4f}{wait:>13.4f}{total:>11.4f}"
+                  f"{floor:>9.4f}{plain:>14.4f}{total / floor:>8.2f}{total / plain:>13.2f}")
+        if profile and mb == min(sizes):
+            profile_small_save(model, opt, os.path.join(base, "profile"))
+        del model, opt
+    print("(medians; blocked = save call + wait at the next optimizer step. Targets: covered <= 0.5x floor; "
+          ">= 10 MB: <= 0.3x torch.save)")
+
+
 def cpu_seconds() -> float:
     """CPU seconds of this process (all threads) and of its live children (a writer process)."""
     total = time.process_time()
@@ -193,8 +292,17 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured saves per method first (steady state)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir on local disk)")
+    ap.add_argument("--sizes", default=None, help="state sizes in MB, e.g. 1,10,100,800: the blocked-time table")
+    ap.add_argument("--profile", action="store_true", help="with --sizes: profile the smallest size's save call")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.sizes:
+        base = tempfile.mkdtemp(prefix="ft_bench_", dir=args.dir)
+        try:
+            sizes_table([float(x) for x in args.sizes.split(",")], args.device, args.repeats, base, args.profile)
+        finally:
+            shutil.rmtree(base)
+        return
 
     model, opt = make_state(args.mb, args.device)
     nbytes = state_bytes(model, opt)

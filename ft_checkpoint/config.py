@@ -145,6 +145,13 @@ class CheckpointConfig:
     writers: int = 2
     """Shard files (and parallel writers) per rank: more than one helps a large state on fast storage."""
 
+    lazy_snapshot: bool = True
+    """Let a save return before parameters and optimizer state are copied: their copy overlaps the next forward
+    and backward, and the next optimizer step waits for what is not yet copied. Everything that can change
+    outside an optimizer step (buffers, other tensors, RNG, data position) is still copied before ``save``
+    returns; an in-place edit of a parameter before the next step is detected (version counters) and that save
+    is abandoned, never committed torn. DeepSpeed engines are always copied at once. See ``snapshot``."""
+
     signing_key: str | None = dataclasses.field(default=None, repr=False)
     """A secret (32 to 4096 bytes of text, e.g. ``openssl rand -hex 32``) that signs every manifest (HMAC-SHA256)
     and without whose signature no step is resumed (see ``signing``). Best from the environment
@@ -419,6 +426,7 @@ _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "writer": _check_choice("thread", "process"),
     "writer_priority": _int(0, 19),
     "writers": _int(1, 64),
+    "lazy_snapshot": _bool(),
     "signing_key": _check_signing_key,
     "signing_key_file": _check_path_or_name(key_file=True),
     "run_name": _check_path_or_name(key_file=False),
@@ -435,7 +443,8 @@ def _parse_env_value(field: str, text: str) -> Any:
     word = text.strip().lower()
     if field in ("requeue", "keep_every_n_steps", "fast_dirpath", "node_id") and word in ("", "none", "auto"):
         return None
-    if field in ("async_save", "final_save", "save_rng_state", "verify_checksums", "force_takeover", "requeue"):
+    if field in ("async_save", "final_save", "save_rng_state", "verify_checksums", "force_takeover", "requeue",
+                 "lazy_snapshot"):
         if word in _TRUE | _FALSE:
             return word in _TRUE
         _bad(field, text, "one of 1/0, true/false, yes/no, on/off")

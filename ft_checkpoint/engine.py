@@ -15,6 +15,10 @@ allocated once and reused by every later save (pinned, with non-blocking copies,
 3. rank 0 checks that the job still holds the directory's lease and writes ``manifest.json`` last, in
    one object: the commit; every rank learns whether it succeeded. No file is read back.
 
+With ``lazy=True`` the copy of parameters and optimizer state is deferred to a thread of its own and the
+next optimizer step waits for it (see ``snapshot``): the save blocks only for the rest. A snapshot torn by an
+in-place change is abandoned with a warning (never committed), and later saves copy everything at once.
+
 One save is in flight at a time: a new save first waits for the previous one (the wait is part of its
 measured stall). A background error is kept and re-raised at the next ``save``, ``wait`` or ``close``.
 
@@ -36,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import pickle
 import platform
 import time
 import warnings
@@ -47,7 +52,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ft_checkpoint import checksum, layout, retry, shards
+from ft_checkpoint import checksum, layout, retry, shards, snapshot
 from ft_checkpoint.dist import Groups
 from ft_checkpoint.errors import ConfigError, LeaseError, SaveError, StateMismatchError
 from ft_checkpoint.shards import ThreadSink, set_thread_priority
@@ -78,6 +83,12 @@ class SaveStats:
     """Seconds from the start of the save until its manifest was written."""
     bytes: int | None = None
     committed: bool = False
+    deferred: int = 0
+    """Bytes of parameters and optimizer state whose copy was deferred to the next optimizer step (``lazy``)."""
+    step_wait: float = 0.0
+    """Seconds the next optimizer step (or save, wait, close) waited for the lazy copy (``lazy_snapshot``)."""
+    abandoned: str | None = None
+    """Why the save was abandoned without a commit (a torn lazy snapshot), or None."""
     durable: bool = True
     """Whether the save writes the durable tier (False: the fast tier only; then it never counts as committed)."""
 
@@ -128,10 +139,11 @@ class CheckpointEngine:
         writer: ``"thread"`` (write in this process) or ``"process"`` (writer processes).
         priority: The writers' nice value (0 to 19).
         signer: Signs each manifest before it is written (see ``signing``); None writes it unsigned.
+        lazy: Defer the copy of parameters and optimizer state to the next optimizer step (see ``snapshot``).
     """
 
     def __init__(self, storage: Storage, groups: Groups, *, writers: int = 1, writer: str = "thread",
-                 priority: int = 0, signer: Signer | None = None) -> None:
+                 priority: int = 0, signer: Signer | None = None, lazy: bool = False) -> None:
         self.storage = storage
         self.signer = signer
         self.groups = groups
@@ -143,6 +155,11 @@ class CheckpointEngine:
         self._processes_arena: Any = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-checkpoint-writer")
         self._future: Future[SaveStats] | None = None
+        self.lazy = lazy
+        self._lazy: snapshot.LazyCopy | None = None
+        self._copier: ThreadPoolExecutor | None = None
+        if lazy:
+            snapshot.install()
         self.phase_hook: Callable[[str, int], None] | None = None
         """Called as ``hook(phase, step)`` at each phase of a save (for tests, tracing and fault injection)."""
 
@@ -177,11 +194,15 @@ class CheckpointEngine:
         self.phase("staging", step)
         tensors, skeleton = split_tree(tree)
         own = files() if callable(files) else files
-        staged = {"tensors": self._stager.stage(tensors), "rank_file": _serialize(skeleton, per_rank or {}),
-                  "files": dict(own or {})}
-        stats = SaveStats(step=step, stall=time.perf_counter() - t0, waited=waited, durable=durable)
+        defer = snapshot.deferrable(tensors) if self.lazy and not own else set()  # DeepSpeed's files: eager
+        copies = self._stager.stage(tensors, defer=defer)
+        staged = {"tensors": copies, "rank_file": _freeze(skeleton, per_rank or {}), "files": dict(own or {})}
+        stats = SaveStats(step=step, stall=0.0, waited=waited, durable=durable)
+        lazy = self._start_lazy({k: tensors[k] for k in defer}, copies, stats) if defer else None
+        stats.stall = time.perf_counter() - t0
         self.phase("staged", step)
-        self._future = self._executor.submit(self._write_job(stats, staged, manifest_fields or {}, listener, tier_write))
+        self._future = self._executor.submit(self._write_job(stats, staged, manifest_fields or {}, listener, tier_write,
+                                                             lazy))
         if waited > 0.05:
             log.info("save of step %d waited %.2f s for the previous save to commit", step, waited)
         return stats
@@ -196,6 +217,8 @@ class CheckpointEngine:
             self._wait_previous()
         finally:
             self._executor.shutdown(wait=True)
+            if self._copier is not None:
+                self._copier.shutdown(wait=True)
             self._close_processes()
             self._stager.close()
 
@@ -204,7 +227,34 @@ class CheckpointEngine:
         """Whether a background save is still running."""
         return self._future is not None and not self._future.done()
 
+    def _start_lazy(self, sources: dict[str, torch.Tensor], staged: dict[str, torch.Tensor],
+                    stats: SaveStats) -> snapshot.LazyCopy:
+        """Start copying ``sources`` into their staged slots on the copy thread; the next step settles it."""
+        def waited(seconds: float) -> None:
+            stats.step_wait = seconds
+
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-checkpoint-snapshot")
+        self._lazy = lazy = snapshot.LazyCopy(sources, staged, on_wait=waited)
+        stats.deferred = sum(t.numel() * t.element_size() for t in sources.values())
+
+        def copy() -> None:
+            try:
+                self.phase("copying", stats.step)
+            finally:  # the copy runs whatever a phase hook does: a step waits for it
+                lazy.run()
+
+        self._copier.submit(copy)
+        return lazy
+
+    def _settle(self) -> None:
+        """Settle this engine's lazy copy, if one is pending (the training thread, before waiting on the writer)."""
+        lazy, self._lazy = self._lazy, None
+        if lazy is not None:
+            lazy.settle()
+
     def _wait_previous(self) -> SaveStats | None:
+        self._settle()
         future, self._future = self._future, None
         if future is None:
             return None
@@ -215,17 +265,23 @@ class CheckpointEngine:
             raise SaveError(f"background save to {self.storage.url} failed: {what}") from e
 
     def phase(self, phase: str, step: int) -> None:
-        """Report a phase to :attr:`phase_hook` (staging, staged, writing, data_written, committing,
-        committed; the manager adds retention and resuming)."""
+        """Report a phase to :attr:`phase_hook` (staging, staged, copying (on the lazy copy's thread), writing,
+        data_written, committing, committed; the manager adds retention and resuming)."""
         if self.phase_hook is not None:
             self.phase_hook(phase, step)
 
     def _write_job(self, stats: SaveStats, staged: dict[str, Any], fields: dict[str, Any],
-                   listener: SaveListener | None, tier_write: Callable[[dict[str, Any]], Any] | None
-                   ) -> Callable[[], SaveStats]:
+                   listener: SaveListener | None, tier_write: Callable[[dict[str, Any]], Any] | None,
+                   lazy: snapshot.LazyCopy | None) -> Callable[[], SaveStats]:
         def job() -> SaveStats:
             if self.writer == "thread":
                 set_thread_priority(self.priority)
+            if lazy is not None:  # the durable write starts once copied; only its commit waits for the verdict
+                lazy.wait_copied()
+                staged["lazy"] = lazy
+                if (tier_write is not None or not stats.durable) and self._torn(stats, lazy.verdict()):
+                    return stats  # the fast tier commits on its own: it writes only a settled snapshot
+            staged["rank_file"] = _serialize(staged["rank_file"])
             if tier_write is not None:
                 tier_write(staged)
             if not stats.durable:
@@ -234,12 +290,28 @@ class CheckpointEngine:
             if listener is not None:
                 listener.on_write_start(stats)
             total = self._write(stats, staged, fields, listener)
+            if stats.abandoned is not None:
+                return stats
             stats.duration, stats.bytes, stats.committed = time.perf_counter() - start + stats.stall, total, True
             if listener is not None:
                 listener.on_commit(stats)
             return stats
 
         return job
+
+    def _torn(self, stats: SaveStats, changed: list[str]) -> bool:
+        """Whether the lazy snapshot is torn (``changed``: tensors edited in place before their copy was
+        settled); then the save is abandoned, never committed, and later saves copy everything at once."""
+        if not changed:
+            return False
+        stats.abandoned = (f"{len(changed)} tensor(s) changed in place between the save and the next optimizer step: "
+                           f"{', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''}")
+        self.lazy = False
+        log.warning("step %d abandoned (not committed; the previous committed step stays the resume point): %s. "
+                    "Lazy snapshots are off for the rest of this run: every later save copies all tensors before "
+                    "it returns. HINT: edit parameters before the save, or set lazy_snapshot=False",
+                    stats.step, stats.abandoned)
+        return True
 
     def _write(self, stats: SaveStats, staged: dict[str, Any], fields: dict[str, Any],
                listener: SaveListener | None) -> int | None:
@@ -268,6 +340,10 @@ class CheckpointEngine:
                                     arena=self._stager.arena)
         dcp.save(tensors, storage_writer=writer, process_group=g.writer, no_dist=not g.distributed)
         self.phase("data_written", step)
+        lazy = staged.get("lazy")
+        if lazy is not None and self._torn(stats, sorted({k for c in self._agree(step, lazy.verdict, gather=True)
+                                                          for k in c})):
+            return None  # every rank abandons the step: one rank's torn snapshot is the step's
         files = {**writer.files, **{name: entry for (name, entry), _, _ in shared}, **own}
         return self._agree(step, lambda: self._commit(stats, files, fields, listener) if g.rank == 0 else None,
                            gather=True)[0]
@@ -380,10 +456,17 @@ def _unique_files(per_rank: list[dict[str, layout.FileEntry]]) -> dict[str, layo
     return out
 
 
-def _serialize(skeleton: Any, per_rank: dict[str, Any]) -> bytes:
-    """The rank file: the non-tensor state and this rank's own, as they are now (``torch.save``)."""
+def _freeze(skeleton: Any, per_rank: dict[str, Any]) -> bytes:
+    """The non-tensor state and this rank's own, as they are now, in a form that later changes cannot reach
+    (on the caller's thread): pickle's C pickler takes a fraction of ``torch.save``'s time (which calls Python
+    for every object pickled: some milliseconds for the RNG states alone)."""
+    return pickle.dumps({"skeleton": skeleton, "per_rank": per_rank}, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _serialize(frozen: bytes) -> bytes:
+    """The rank file (``torch.save``) of what :func:`_freeze` took (on the writer thread; our own bytes)."""
     buf = io.BytesIO()
-    torch.save({"skeleton": skeleton, "per_rank": per_rank}, buf)
+    torch.save(pickle.loads(frozen), buf)
     return buf.getvalue()
 
 

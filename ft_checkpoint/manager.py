@@ -134,7 +134,7 @@ class CheckpointManager:
         """The steps as this start listed them (rank 0's, on every rank): the first ``resume`` takes its candidates
         from it unless a save came before, then drops it."""
         self.engine = CheckpointEngine(self.storage, self.groups, writers=c.writers, writer=c.writer,
-                                       priority=c.writer_priority, signer=self.signer)
+                                       priority=c.writer_priority, signer=self.signer, lazy=c.lazy_snapshot)
         self.loader = StepLoader(self.storage, self.groups)
         self.slurm = SlurmJob.detect(query=self.rank == 0)
         """The Slurm job this runs in (None outside Slurm); its requeue flag and end time on rank 0 only."""
@@ -361,7 +361,7 @@ class CheckpointManager:
             ...     m.has_saved(2), m.has_saved(3)
             (True, False)
         """
-        last = self._last_durable.step if self._last_durable is not None else None
+        last = self._last_durable.step if self._last_durable is not None and not self._last_durable.abandoned else None
         resumed = self.resumed_from if not (self.resumed_source or "").startswith("fast tier") else None
         return any(s is not None and s >= step for s in (last, resumed))
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import torch
 
@@ -111,10 +111,12 @@ class Stager:
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.arena: Arena | None = None
         self._layout: list[tuple[str, torch.Size, torch.dtype]] = []
-        self._offsets: dict[str, int] = {}
+        self._views: dict[str, torch.Tensor] = {}
+        """Each key's slot, as a tensor of its shape and dtype (made once per layout: a save reuses them)."""
 
-    def stage(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Copies of ``tensors`` (a flat dict) in the arena; blocks until every copy is done."""
+    def stage(self, tensors: Mapping[str, torch.Tensor], *, defer: Collection[str] = ()) -> dict[str, torch.Tensor]:
+        """Copies of ``tensors`` (a flat dict) in the arena; blocks until every copy is done. The keys in
+        ``defer`` get their slots but are not copied: the caller copies them later (see ``snapshot``)."""
         if not tensors:
             return {}
         layout = [(k, _local(t).shape, t.dtype) for k, t in tensors.items()]
@@ -124,7 +126,10 @@ class Stager:
         out, devices = {}, set()
         for key, t in tensors.items():
             local = _local(t).detach()
-            buf = self.arena.view(self._offsets[key], local.shape, local.dtype)
+            buf = self._views[key]
+            if key in defer:
+                out[key] = buf
+                continue
             buf.copy_(local, non_blocking=local.is_cuda and self.pin)
             if local.is_cuda:
                 devices.add(local.device)
@@ -140,10 +145,11 @@ class Stager:
             offsets[key] = offset
             offset += padded(shape.numel() * torch.empty((), dtype=dtype).element_size())
         self.arena = Arena(offset, shared=self.shared, pin=self.pin)
-        self._layout, self._offsets = layout, offsets
+        self._layout = layout
+        self._views = {key: self.arena.view(offsets[key], shape, dtype) for key, shape, dtype in layout}
 
     def close(self) -> None:
         """Release the arena."""
         if self.arena is not None:
             self.arena.close()
-        self.arena, self._layout, self._offsets = None, [], {}
+        self.arena, self._layout, self._views = None, [], {}

@@ -35,6 +35,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from ft_checkpoint import CheckpointConfig, CheckpointManager, ConfigError, FTCheckpointError, SavePolicy, SaveStats, layout
 from ft_checkpoint.config import DEFAULT_SUBDIR, check_names, given
 from ft_checkpoint.errors import Preempted
+from ft_checkpoint.snapshot import settle_all as settle_snapshots
 from ft_checkpoint.state import set_rng_state
 from ft_checkpoint.storage import Storage
 from lightning_ft import _lightning_internals as internals
@@ -170,7 +171,8 @@ class FaultTolerantCheckpoint(Checkpoint):
                  on_save_error: str | None = None, preemption_signals: tuple[str, ...] | list[str] | str | None = None,
                  requeue: bool | None = None, end_time_margin: float | str | datetime.timedelta | None = None,
                  preemption_exit_code: int | None = None, writer: str | None = None, writer_priority: int | None = None,
-                 writers: int | None = None, signing_key: str | None = None, signing_key_file: str | None = None,
+                 writers: int | None = None, lazy_snapshot: bool | None = None, signing_key: str | None = None,
+                 signing_key_file: str | None = None,
                  run_name: str | None = None, fast_dirpath: str | None = None,
                  fast_interval: int | datetime.timedelta | str | None = None, fast_replicas: int | None = None,
                  node_id: str | None = None, **misspelled: Any) -> None:
@@ -252,6 +254,12 @@ class FaultTolerantCheckpoint(Checkpoint):
             self.manager.check_continues_from(trainer.global_step, why=f"fit(ckpt_path={str(trainer.ckpt_path)!r}) "
                                               f"continues from step {trainer.global_step}")
         messages.announce_start(trainer, self.manager, resumed=resume is not None, resumed_from=self.resumed_from)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        settle_snapshots()  # weight averaging swaps weights in through .data, which no version counter sees
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        settle_snapshots()
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.current_epoch > 0:  # this epoch's iterator is created right after this hook

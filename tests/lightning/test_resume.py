@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+import threading
 
 import lightning.pytorch as pl
 import pytest
@@ -256,3 +257,44 @@ def test_an_iterable_dataset_resumed_mid_epoch_warns_that_the_epoch_runs_longer(
     assert [idx[0] for epoch, _, idx in model.seen if epoch == 0] == [0, 8, 16, 24, 32, 40]  # the stream again
     assert "the epoch restarts from its first batch while Lightning keeps counting from batch 4, so this epoch " \
            "runs 4 batches longer than in an uninterrupted run" in caplog.text
+
+
+class HoldCopy(pl.Callback):
+    """Holds each save's deferred copy (``lazy_snapshot``) until the next batch's forward and backward are done
+    (BatchNorm's running statistics changed), right before its optimizer step: the latest moment allowed."""
+
+    def __init__(self, cb: FaultTolerantCheckpoint) -> None:
+        self.cb, self.gate, self.copies = cb, threading.Event(), 0
+
+    def _phase(self, phase: str, step: int) -> None:
+        if phase == "copying":
+            self.copies += 1
+            assert self.gate.wait(60), "the deferred copy was never released"
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        assert self.cb.manager is not None
+        self.cb.manager.engine.phase_hook = self._phase
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.gate.clear()  # runs before the checkpoint callback's save
+
+    def release(self, *_: object) -> None:
+        """Inside the step's closure, after the backward; and wherever the checkpoint callback settles the copy."""
+        self.gate.set()
+
+    on_before_optimizer_step = on_validation_start = on_train_epoch_end = on_train_end = on_exception = release
+
+
+def test_lazy_snapshot_resumes_exactly(tmp_path, reference):
+    """Parameters and optimizer state copied during the next batch's forward/backward (held to its optimizer
+    step), BatchNorm's statistics at the save: a crash and a restart end bit-exact with the uninterrupted run."""
+    cb = ft(tmp_path / "ckpt", lazy_snapshot=True)
+    held = HoldCopy(cb)
+    _, _, _, crashed = fit([cb, held], crash_at=22)
+    assert crashed and held.copies > 0
+    assert all(s.deferred > 0 and s.committed for s in cb.saves), cb.saves
+    cb = ft(tmp_path / "ckpt")
+    model, data_module, trainer, _ = fit([cb])
+    assert cb.resumed_from == 20
+    assert_same(reference[0], final_state(model, trainer))
+    assert data_module.train_epochs == reference[1]
