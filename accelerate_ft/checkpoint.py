@@ -55,7 +55,7 @@ class FaultTolerantCheckpoint:
     verified checkpoint, if any. One line on stderr (main process) says where checkpoints go, what was
     resumed (the step, and the epoch and batch it continues at) and when the first save is due. It saves models, optimizers
     (through DCP's state-dict helpers, so FSDP shards stay sharded; under DDP the buffers are rank
-    0's; under the DeepSpeed plugin each engine saves itself, see ``ft_checkpoint.deepspeed``),
+    0's; under the DeepSpeed plugin each engine saves itself, see ``ft_checkpoint.integrations.deepspeed``),
     schedulers, the grad scaler, objects passed to ``accelerator.register_for_checkpointing``,
     each rank's RNG states, the data position and its own counters.
 

@@ -211,7 +211,7 @@ def deepspeed_state(accelerator: Accelerator) -> dict[str, Any]:
     """
     from accelerate.utils import DeepSpeedSchedulerWrapper
 
-    from ft_checkpoint.deepspeed import DeepSpeedState
+    from ft_checkpoint.integrations.deepspeed import DeepSpeedState
 
     state: dict[str, Any] = {}
     for i, engine in enumerate(internals.models(accelerator)):

@@ -21,8 +21,9 @@ import statistics
 import time
 import uuid
 
-from ft_checkpoint import CheckpointManager, layout
-from ft_checkpoint.storage import Storage
+from ft_checkpoint import CheckpointManager
+from ft_checkpoint.format import layout
+from ft_checkpoint.store.storage import Storage
 from ft_checkpoint.testing import servers
 
 try:

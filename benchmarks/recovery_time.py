@@ -102,7 +102,7 @@ class Marks:
 def instrument(marks: Marks, method: str) -> None:
     """Mark our start-up's phases: the manager's construction, ``resume``, the first step opened, the last load."""
     from ft_checkpoint import manager
-    from ft_checkpoint.loading import StepLoader
+    from ft_checkpoint.load.loading import StepLoader
 
     marks.wrap(manager.CheckpointManager, "__init__", "manager_in", "manager_out")
     marks.wrap(manager.CheckpointManager, "resume", "resume_in", "resume_out")

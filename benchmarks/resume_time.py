@@ -30,8 +30,9 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-from ft_checkpoint import CheckpointManager, layout
-from ft_checkpoint.storage import Storage
+from ft_checkpoint import CheckpointManager
+from ft_checkpoint.format import layout
+from ft_checkpoint.store.storage import Storage
 
 try:
     from save_stall import make_state, state_bytes

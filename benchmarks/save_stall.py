@@ -97,8 +97,8 @@ def tensors_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch
 def bench_raw_write(model, opt, d: str, i: int, direct: bool = False) -> tuple[float, float]:
     """The floor of time to durable: every tensor's bytes, already in host memory, written into one file and
     fsynced; with ``direct``, from one page-aligned buffer with ``O_DIRECT`` (no page cache)."""
-    from ft_checkpoint.shards import byte_view
-    from ft_checkpoint.staging import Stager
+    from ft_checkpoint.format.shards import byte_view
+    from ft_checkpoint.save.staging import Stager
 
     tensors = tensors_of(model, opt)
     if direct:  # not timed: staging is measured separately

@@ -41,7 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from resume_time import drop_cache  # noqa: E402
 from save_stall import make_state, state_bytes  # noqa: E402
 
-from ft_checkpoint import CheckpointManager, layout  # noqa: E402
+from ft_checkpoint import CheckpointManager  # noqa: E402
+from ft_checkpoint.format import layout
 from ft_checkpoint.testing import servers  # noqa: E402
 from ft_checkpoint.tiers.folder import runs_in  # noqa: E402
 
@@ -167,7 +168,7 @@ def _peer_worker(rank: int, port: int, mb: int, fast_root: str, warmup: int, rep
 def _floor(ckpt: CheckpointManager, fast: str) -> tuple[float, float]:
     """A raw write of this rank's staged bytes into the fast tier (no fsync, as the fast tier), then their transfer
     to the peer over the fast tier's own group while the peer's come in (both ways at once)."""
-    from ft_checkpoint.shards import byte_view
+    from ft_checkpoint.format.shards import byte_view
 
     arena = ckpt.engine._stager.arena
     data = arena.bytes

@@ -1,6 +1,6 @@
 """ft-checkpoint: fault-tolerant, asynchronous checkpointing for PyTorch training.
 
-The public names are imported lazily, so ``import ft_checkpoint.storage`` (the CLI, tools) does not
+The public names are imported lazily, so ``import ft_checkpoint.store.storage`` (the CLI, tools) does not
 import torch.
 
 Example:
@@ -21,15 +21,15 @@ __version__ = "0.2.0.dev0"
 _EXPORTS = {
     "CheckpointManager": "ft_checkpoint.manager",
     "CheckpointConfig": "ft_checkpoint.config",
-    "SaveStats": "ft_checkpoint.engine",
-    "SavePolicy": "ft_checkpoint.policy",
-    "EveryNSteps": "ft_checkpoint.policy",
-    "EveryInterval": "ft_checkpoint.policy",
-    "OnPreemption": "ft_checkpoint.policy",
-    "AnyOf": "ft_checkpoint.policy",
-    "DeepSpeedState": "ft_checkpoint.deepspeed",
-    "check_step": "ft_checkpoint.layout",
-    "read_journal": "ft_checkpoint.journal",
+    "SaveStats": "ft_checkpoint.save.engine",
+    "SavePolicy": "ft_checkpoint.policies.policy",
+    "EveryNSteps": "ft_checkpoint.policies.policy",
+    "EveryInterval": "ft_checkpoint.policies.policy",
+    "OnPreemption": "ft_checkpoint.policies.policy",
+    "AnyOf": "ft_checkpoint.policies.policy",
+    "DeepSpeedState": "ft_checkpoint.integrations.deepspeed",
+    "check_step": "ft_checkpoint.format.layout",
+    "read_journal": "ft_checkpoint.run.journal",
     "parse_duration": "ft_checkpoint.units",
     "FTCheckpointError": "ft_checkpoint.errors",
     "ConfigError": "ft_checkpoint.errors",
@@ -46,8 +46,6 @@ __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
     from ft_checkpoint.config import CheckpointConfig
-    from ft_checkpoint.deepspeed import DeepSpeedState
-    from ft_checkpoint.engine import SaveStats
     from ft_checkpoint.errors import (
         CheckpointCorruptError,
         ConfigError,
@@ -58,10 +56,12 @@ if TYPE_CHECKING:
         StateMismatchError,
         StorageError,
     )
-    from ft_checkpoint.journal import read_journal
-    from ft_checkpoint.layout import check_step
+    from ft_checkpoint.format.layout import check_step
+    from ft_checkpoint.integrations.deepspeed import DeepSpeedState
     from ft_checkpoint.manager import CheckpointManager
-    from ft_checkpoint.policy import AnyOf, EveryInterval, EveryNSteps, OnPreemption, SavePolicy
+    from ft_checkpoint.policies.policy import AnyOf, EveryInterval, EveryNSteps, OnPreemption, SavePolicy
+    from ft_checkpoint.run.journal import read_journal
+    from ft_checkpoint.save.engine import SaveStats
     from ft_checkpoint.units import parse_duration
 
 

@@ -27,9 +27,9 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ft_checkpoint import signing
 from ft_checkpoint.errors import ConfigError
-from ft_checkpoint.jsonfile import is_int, is_number
+from ft_checkpoint.format import signing
+from ft_checkpoint.store.jsonfile import is_int, is_number
 from ft_checkpoint.units import parse_duration, parse_signal, short
 
 ENV_PREFIX = "FT_CHECKPOINT_"

@@ -25,18 +25,16 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from ft_checkpoint import layout
-from ft_checkpoint.adaptive.policy import AdaptiveInterval
-from ft_checkpoint.adaptive.tier_policy import multilevel_for
 from ft_checkpoint.config import CheckpointConfig
-from ft_checkpoint.cost import CostMeter
-from ft_checkpoint.dist import Groups, peer_lost, short_error
-from ft_checkpoint.engine import CheckpointEngine, SaveStats
 from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, LeaseError, Preempted, SaveError, StorageError
-from ft_checkpoint.journal import Journal, attempt_summaries
-from ft_checkpoint.lease import Lease
-from ft_checkpoint.loading import StepLoader, load_state
-from ft_checkpoint.policy import (
+from ft_checkpoint.format import layout
+from ft_checkpoint.format.signing import Signer
+from ft_checkpoint.load.loading import StepLoader, load_state
+from ft_checkpoint.load.resume import check_for_resume, refuse_older_step, resume_newest, warn_if_rolled_back
+from ft_checkpoint.policies.adaptive.policy import AdaptiveInterval
+from ft_checkpoint.policies.adaptive.tier_policy import multilevel_for
+from ft_checkpoint.policies.cost import CostMeter
+from ft_checkpoint.policies.policy import (
     OnPreemption,
     SaveContext,
     SavePolicy,
@@ -45,11 +43,13 @@ from ft_checkpoint.policy import (
     policy_from_interval,
     policy_metrics,
 )
-from ft_checkpoint.preemption import PreemptionWatcher
-from ft_checkpoint.resume import check_for_resume, refuse_older_step, resume_newest, warn_if_rolled_back
-from ft_checkpoint.save_events import SaveEvents
-from ft_checkpoint.signing import Signer
-from ft_checkpoint.slurm import SlurmJob, requeue
+from ft_checkpoint.run.dist import Groups, peer_lost, short_error
+from ft_checkpoint.run.journal import Journal, attempt_summaries
+from ft_checkpoint.run.lease import Lease
+from ft_checkpoint.run.preemption import PreemptionWatcher
+from ft_checkpoint.run.slurm import SlurmJob, requeue
+from ft_checkpoint.save.engine import CheckpointEngine, SaveStats
+from ft_checkpoint.save.save_events import SaveEvents
 from ft_checkpoint.state import (
     Participants,
     check_tensors_match,
@@ -59,7 +59,7 @@ from ft_checkpoint.state import (
     stage_participants,
     to_tree,
 )
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.store.storage import Storage
 from ft_checkpoint.units import human_bytes, human_seconds, parse_duration
 
 if TYPE_CHECKING:  # the fast tier is imported only where one may be configured (see __init__)
@@ -73,11 +73,11 @@ class CheckpointManager:
 
     Args:
         dirpath: Local path or fsspec URL; falls back to ``FT_CHECKPOINT_DIRPATH`` / the config file.
-        policy: A :class:`~ft_checkpoint.policy.SavePolicy`; default: the one ``interval`` names.
+        policy: A :class:`~ft_checkpoint.policies.policy.SavePolicy`; default: the one ``interval`` names.
         **config: Any :class:`~ft_checkpoint.config.CheckpointConfig` field (``interval``, ``keep_last``,
             ``storage_options``, ...). Explicit arguments win over env vars, which win over the file.
 
-    A DeepSpeed engine in ``state`` saves itself through DeepSpeed's own files (see ``ft_checkpoint.deepspeed``).
+    A DeepSpeed engine in ``state`` saves itself through DeepSpeed's own files (see ``ft_checkpoint.integrations.deepspeed``).
 
     Every rank of a distributed job must create the manager and call ``resume``/``maybe_save``/
     ``save``/``close`` at the same steps (the step-based policies guarantee it; time-based ones are

@@ -28,8 +28,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ft_checkpoint.dist import Groups
 from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, StateMismatchError
+from ft_checkpoint.run.dist import Groups
 
 Path = tuple[Any, ...]
 
@@ -102,7 +102,7 @@ def split_participants(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[s
 
 class Participants:
     """Splits a state into its plain part and its files participants, wrapping each DeepSpeed engine in a
-    :class:`~ft_checkpoint.deepspeed.DeepSpeedState`, the same wrapper at every save (it keeps its staging
+    :class:`~ft_checkpoint.integrations.deepspeed.DeepSpeedState`, the same wrapper at every save (it keeps its staging
     buffers); with several engines in one state, each one's files are prefixed by its key.
 
     Example:
@@ -122,7 +122,7 @@ class Participants:
             engine = plain.pop(key)
             wrapped = self._wrapped.get(key)
             if wrapped is None or wrapped.engine is not engine:
-                from ft_checkpoint.deepspeed import DeepSpeedState  # DeepSpeed is an optional extra
+                from ft_checkpoint.integrations.deepspeed import DeepSpeedState  # DeepSpeed is an optional extra
 
                 wrapped = self._wrapped[key] = DeepSpeedState(engine, prefix="" if len(engines) == 1 else f"{key}.")
             participants[key] = wrapped
@@ -203,7 +203,7 @@ def check_tensors_match(tree: Mapping[str, Any], groups: Groups) -> None:
     others). A collective, on the training thread: call it on every rank; one small all-gather when they agree.
 
     Example:
-        >>> from ft_checkpoint.dist import Groups
+        >>> from ft_checkpoint.run.dist import Groups
         >>> check_tensors_match({"best_val_loss": torch.tensor(0.5)}, Groups())   # one rank: nothing to compare
     """
     if not groups.distributed:

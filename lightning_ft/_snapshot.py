@@ -50,7 +50,7 @@ class Snapshots:
             return {}
         engine = strategy.deepspeed_engine
         if self._deepspeed is None or self._deepspeed.engine is not engine:
-            from ft_checkpoint.deepspeed import DeepSpeedState
+            from ft_checkpoint.integrations.deepspeed import DeepSpeedState
 
             self._deepspeed = DeepSpeedState(engine, load_module_strict=trainer.lightning_module.strict_loading,
                                              load_lr_scheduler_states=False,  # Lightning restores its schedulers

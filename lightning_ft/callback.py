@@ -8,7 +8,7 @@ One callback; ``trainer.fit`` then resumes by itself after a crash, a preemption
 What is saved is what ``trainer.save_checkpoint`` saves (model, optimizers, LR schedulers, precision
 plugin, loops, other callbacks, datamodule), plus each rank's RNG states and what it takes to put a
 plain ``DataLoader`` back at the next batch of the interrupted epoch. Under ``DeepSpeedStrategy`` the
-engine saves the model and optimizer as DeepSpeed's own files (``ft_checkpoint.deepspeed``), as
+engine saves the model and optimizer as DeepSpeed's own files (``ft_checkpoint.integrations.deepspeed``), as
 Lightning's DeepSpeed checkpoints do. When and where to save, the write, the commit and the resume
 checks are the core's (:class:`ft_checkpoint.CheckpointManager`).
 
@@ -32,12 +32,13 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy, Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from ft_checkpoint import CheckpointConfig, CheckpointManager, ConfigError, FTCheckpointError, SavePolicy, SaveStats, layout
+from ft_checkpoint import CheckpointConfig, CheckpointManager, ConfigError, FTCheckpointError, SavePolicy, SaveStats
 from ft_checkpoint.config import DEFAULT_SUBDIR, check_names, given
 from ft_checkpoint.errors import Preempted
-from ft_checkpoint.snapshot import settle_all as settle_snapshots
+from ft_checkpoint.format import layout
+from ft_checkpoint.save.snapshot import settle_all as settle_snapshots
 from ft_checkpoint.state import set_rng_state
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.store.storage import Storage
 from lightning_ft import _lightning_internals as internals
 from lightning_ft import _messages as messages
 from lightning_ft._data import EpochStart

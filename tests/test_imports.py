@@ -33,17 +33,17 @@ def test_core_imports_without_lightning_or_accelerate():
     run_blocked({"lightning", "pytorch_lightning", "accelerate"}, """
 import ft_checkpoint
 from ft_checkpoint import CheckpointManager, CheckpointConfig
-from ft_checkpoint.storage import Storage
-import ft_checkpoint.tools.cli, ft_checkpoint.engine, ft_checkpoint.manager
+from ft_checkpoint.store.storage import Storage
+import ft_checkpoint.tools.cli, ft_checkpoint.save.engine, ft_checkpoint.manager
 m = CheckpointManager("memory://imports", interval=5); m.close()
 """)
 
 
 def test_storage_does_not_import_torch():
     run_blocked({"torch"}, """
-import ft_checkpoint.storage, ft_checkpoint.layout, ft_checkpoint.config, ft_checkpoint.journal
-import ft_checkpoint.retention, ft_checkpoint.errors, ft_checkpoint.progress, ft_checkpoint.tools.cli
-s = ft_checkpoint.storage.Storage("memory://no-torch")
+import ft_checkpoint.store.storage, ft_checkpoint.format.layout, ft_checkpoint.config, ft_checkpoint.run.journal
+import ft_checkpoint.run.retention, ft_checkpoint.errors, ft_checkpoint.progress, ft_checkpoint.tools.cli
+s = ft_checkpoint.store.storage.Storage("memory://no-torch")
 s.write_bytes("a", b"1")
 assert "torch" not in sys.modules
 """)
@@ -57,7 +57,7 @@ def test_integrations_do_not_import_each_other(package, blocked):
 def test_deepspeed_is_imported_only_when_a_deepspeed_engine_is_saved():
     run_blocked({"deepspeed"}, """
 import torch
-import ft_checkpoint.deepspeed
+import ft_checkpoint.integrations.deepspeed
 from ft_checkpoint import CheckpointManager
 m = CheckpointManager("memory://imports-deepspeed", interval=5, announce=False)
 m.save(1, {"w": torch.zeros(1)}, block=True); m.close()

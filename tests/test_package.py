@@ -11,12 +11,12 @@ import subprocess
 import sys
 
 import ft_checkpoint
-from ft_checkpoint.policy import describe_policy, policy_from_interval
+from ft_checkpoint.policies.policy import describe_policy, policy_from_interval
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-INTERNALS = {"CheckpointEngine": "ft_checkpoint.engine", "SaveContext": "ft_checkpoint.policy",
-             "Journal": "ft_checkpoint.journal", "Storage": "ft_checkpoint.storage", "Manifest": "ft_checkpoint.layout",
-             "apply_retention": "ft_checkpoint.retention"}
+INTERNALS = {"CheckpointEngine": "ft_checkpoint.save.engine", "SaveContext": "ft_checkpoint.policies.policy",
+             "Journal": "ft_checkpoint.run.journal", "Storage": "ft_checkpoint.store.storage", "Manifest": "ft_checkpoint.format.layout",
+             "apply_retention": "ft_checkpoint.run.retention"}
 
 
 def readme() -> str:
@@ -71,7 +71,7 @@ def test_faulty_is_not_registered_in_an_install():
     """The fault-injecting filesystem exists only where test code imports it (tests/conftest.py does)."""
     dist = importlib.metadata.distribution("ft-checkpoint")
     assert not [e for e in dist.entry_points if e.group == "fsspec.specs"]
-    code = ("import fsspec, ft_checkpoint, ft_checkpoint.storage, ft_checkpoint.tools.cli\n"
+    code = ("import fsspec, ft_checkpoint, ft_checkpoint.store.storage, ft_checkpoint.tools.cli\n"
             "try:\n    fsspec.get_filesystem_class('faulty')\nexcept ValueError:\n    print('unknown')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.stdout.strip() == "unknown", out.stdout + out.stderr

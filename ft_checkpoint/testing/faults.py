@@ -11,7 +11,7 @@ from elsewhere (the fast tier) asserts it so. ``reads`` lists every file opened 
 counts what a start reads.
 
 Example:
-    >>> from ft_checkpoint.storage import Storage
+    >>> from ft_checkpoint.store.storage import Storage
     >>> s = Storage("faulty:///tmp/ft-doc-faults", {"transient_rate": 0.3, "seed": 1}, retries=10, backoff=0.001)
     >>> s.write_bytes("x", b"still written")
     >>> s.read_bytes("x")

@@ -39,16 +39,16 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from ft_checkpoint import layout
-from ft_checkpoint.adaptive.policy import AdaptiveInterval
 from ft_checkpoint.config import CheckpointConfig
-from ft_checkpoint.dist import Groups
 from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, StateMismatchError, StorageError
-from ft_checkpoint.lease import job_id
-from ft_checkpoint.loading import OpenedStep, StepLoader
-from ft_checkpoint.policy import SaveContext, SavePolicy, find_policy, policy_from_interval
-from ft_checkpoint.signing import Signer
-from ft_checkpoint.staging import padded
+from ft_checkpoint.format import layout
+from ft_checkpoint.format.signing import Signer
+from ft_checkpoint.load.loading import OpenedStep, StepLoader
+from ft_checkpoint.policies.adaptive.policy import AdaptiveInterval
+from ft_checkpoint.policies.policy import SaveContext, SavePolicy, find_policy, policy_from_interval
+from ft_checkpoint.run.dist import Groups
+from ft_checkpoint.run.lease import job_id
+from ft_checkpoint.save.staging import padded
 from ft_checkpoint.state import merge_tree, split_tree
 from ft_checkpoint.tiers import room, sources
 from ft_checkpoint.tiers.folder import FastFolder, clean_other_runs, run_key

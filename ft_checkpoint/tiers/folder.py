@@ -39,9 +39,10 @@ import socket
 import time
 from typing import Any
 
-from ft_checkpoint import jsonfile, layout
-from ft_checkpoint.lease import _pid_alive as pid_alive
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.format import layout
+from ft_checkpoint.run.lease import _pid_alive as pid_alive
+from ft_checkpoint.store import jsonfile
+from ft_checkpoint.store.storage import Storage
 
 log = logging.getLogger(__name__)
 OWNER = "owner.json"

@@ -24,8 +24,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from ft_checkpoint import layout
-from ft_checkpoint.adaptive.classes import CRASH, MORE, NO_FAST_STEP, NODE
+from ft_checkpoint.format import layout
+from ft_checkpoint.policies.adaptive.classes import CRASH, MORE, NO_FAST_STEP, NODE
 from ft_checkpoint.tiers.folder import FastFolder, Mark
 from ft_checkpoint.tiers.node import Ring
 

@@ -31,10 +31,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ft_checkpoint import checksum, layout
 from ft_checkpoint.errors import CheckpointCorruptError, StorageError
-from ft_checkpoint.shards import _read_exactly, byte_view
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.format import layout
+from ft_checkpoint.format.shards import _read_exactly, byte_view
+from ft_checkpoint.store import checksum
+from ft_checkpoint.store.storage import Storage
 
 log = logging.getLogger(__name__)
 CHUNK = 32 << 20

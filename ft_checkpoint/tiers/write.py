@@ -24,12 +24,12 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ft_checkpoint import layout, shards
-from ft_checkpoint.engine import versions
 from ft_checkpoint.errors import SaveError
-from ft_checkpoint.signing import Signer
-from ft_checkpoint.staging import _is_dtensor
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.format import layout, shards
+from ft_checkpoint.format.signing import Signer
+from ft_checkpoint.save.engine import versions
+from ft_checkpoint.save.staging import _is_dtensor
+from ft_checkpoint.store.storage import Storage
 
 FAST_TIER = "fast_tier"
 """The key of a fast-tier part's own metadata in its manifest."""

@@ -17,7 +17,7 @@ A step is one of:
   not verify for this key, run and step: a resume skips it.
 
 Example:
-    >>> from ft_checkpoint.storage import Storage
+    >>> from ft_checkpoint.store.storage import Storage
     >>> s = Storage("memory://doc/catalog")
     >>> s.write_bytes("step_000000000010/a.bin", b"weights")
     >>> listing = list_checkpoints(s)
@@ -31,12 +31,13 @@ import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ft_checkpoint import checksum, layout, tensor_metadata
 from ft_checkpoint.errors import CheckpointCorruptError, StorageNotFoundError
-from ft_checkpoint.layout import OnBytes, StepCheck
-from ft_checkpoint.retention import plan_deletions
-from ft_checkpoint.signing import Signer
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.format import layout, tensor_metadata
+from ft_checkpoint.format.layout import OnBytes, StepCheck
+from ft_checkpoint.format.signing import Signer
+from ft_checkpoint.run.retention import plan_deletions
+from ft_checkpoint.store import checksum
+from ft_checkpoint.store.storage import Storage
 
 COMMITTED, PARTIAL, CORRUPT, UNVERIFIED = "committed", "partial", "corrupt", "unverified"
 
@@ -86,7 +87,7 @@ def describe_step(storage: Storage, step: int, *, signer: Signer | None = None) 
     ``signer``, the signature too).
 
     Example:
-        >>> from ft_checkpoint.storage import Storage
+        >>> from ft_checkpoint.store.storage import Storage
         >>> describe_step(Storage("memory://doc/describe"), 5).reason
         'no manifest.json: an interrupted save, or one still being written'
     """
@@ -113,7 +114,7 @@ def list_checkpoints(storage: Storage, *, signer: Signer | None = None) -> Listi
     ``signer``, the newest whose signature verifies).
 
     Example:
-        >>> from ft_checkpoint.storage import Storage
+        >>> from ft_checkpoint.store.storage import Storage
         >>> list_checkpoints(Storage("memory://doc/empty-listing")).steps
         []
     """
@@ -195,7 +196,7 @@ def check_step(storage: Storage, step: int, *, on_bytes: OnBytes | None = None,
     each naming the file by its URL.
 
     Example:
-        >>> from ft_checkpoint.storage import Storage
+        >>> from ft_checkpoint.store.storage import Storage
         >>> check_step(Storage("memory://doc/check"), 7).problems
         ['memory://doc/check/step_000000000007/manifest.json is missing']
     """
@@ -261,7 +262,7 @@ def _describe(manifest: layout.Manifest, data: bytes) -> list[dict[str, Any]]:
         tensors = tensor_metadata.parse(data, tensor_metadata.data_files(manifest.files))
         return [{"name": name, "shape": list(t.size), "dtype": t.dtype, "bytes": t.nbytes, "chunks": len(t.chunks)}
                 for name, t in sorted(tensors.items())]
-    from ft_checkpoint import legacy  # format 1: a pickle, read through the allowlist (needs torch)
+    from ft_checkpoint.format import legacy  # format 1: a pickle, read through the allowlist (needs torch)
 
     metadata = legacy.parse_metadata(data, manifest)
     return [{"name": name, "shape": [int(d) for d in md.size], "dtype": str(md.properties.dtype).removeprefix("torch."),
@@ -290,7 +291,7 @@ def plan_gc(storage: Storage, *, keep_last: int, keep_every_n_steps: int | None 
     signature too, so that a forged newer step never takes its place) is always kept.
 
     Example:
-        >>> from ft_checkpoint.storage import Storage
+        >>> from ft_checkpoint.store.storage import Storage
         >>> s = Storage("memory://doc/gc")
         >>> s.write_bytes("step_000000000010/a.bin", b"partial save")
         >>> plan_gc(s, keep_last=1).delete   # nothing has committed: nothing is deleted

@@ -46,8 +46,8 @@ from ft_checkpoint.progress import Progress
 from ft_checkpoint.units import DURATION_EXAMPLES, human_bytes, human_seconds, parse_duration, plural, printable, short
 
 if TYPE_CHECKING:
-    from ft_checkpoint.signing import Signer
-    from ft_checkpoint.storage import Storage
+    from ft_checkpoint.format.signing import Signer
+    from ft_checkpoint.store.storage import Storage
 
 log = logging.getLogger("ft_checkpoint.tools.cli")  # not __name__: "__main__" under python -m
 
@@ -112,7 +112,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from ft_checkpoint.adaptive.interval import daly_interval, expected_waste, young_interval
+    from ft_checkpoint.policies.adaptive.interval import daly_interval, expected_waste, young_interval
     from ft_checkpoint.tools import tier_commands
 
     rates = tier_commands.class_rates(args)
@@ -149,7 +149,7 @@ def _plot(path: str, d: float, m: float, r: float, best: float) -> None:
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise UsageError(f"--plot needs matplotlib ({e}). HINT: pip install 'ft-checkpoint[plot]'") from None
-    from ft_checkpoint.adaptive.interval import expected_waste
+    from ft_checkpoint.policies.adaptive.interval import expected_waste
 
     xs = [best * 10 ** (i / 50 - 1.2) for i in range(121)]
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -218,7 +218,7 @@ class _arithmetic:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from ft_checkpoint.adaptive.simulate import POLICIES, simulate_scenario
+    from ft_checkpoint.policies.adaptive.simulate import POLICIES, simulate_scenario
     from ft_checkpoint.tools import tier_commands
 
     if args.tiers:
@@ -280,7 +280,7 @@ def open_storage(url: str | None) -> Storage:
     """The checkpoint directory ``url`` (or ``FT_CHECKPOINT_DIRPATH``), with the training's storage options."""
     from ft_checkpoint.config import CheckpointConfig
     from ft_checkpoint.errors import ConfigError
-    from ft_checkpoint.storage import Storage
+    from ft_checkpoint.store.storage import Storage
     from ft_checkpoint.tools.catalog import require_directory
 
     config = CheckpointConfig.from_env()
@@ -297,7 +297,7 @@ def open_signer(args: argparse.Namespace, storage: Storage) -> Signer | None:
     """The signer of ``--key-file`` (else the training's key: env or config file) and ``--run-name`` (else the
     training's, else the directory's URL); None without a key."""
     from ft_checkpoint.config import CheckpointConfig
-    from ft_checkpoint.signing import Signer
+    from ft_checkpoint.format.signing import Signer
 
     config = CheckpointConfig.from_env()
     if args.key_file is not None:  # the option wins over a key in the environment
@@ -370,7 +370,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ft_checkpoint.layout import REFUSED
+    from ft_checkpoint.format.layout import REFUSED
     from ft_checkpoint.tools.catalog import check_step, list_checkpoints, select_steps
 
     storage = open_storage(args.dir)
@@ -456,7 +456,7 @@ def _signature_line(info: dict[str, Any]) -> str:
 
 
 def _deepspeed_lines(metadata: Any) -> list[str]:
-    """One line per DeepSpeed engine the step holds (see ``ft_checkpoint.deepspeed``): ZeRO stage, parallel sizes."""
+    """One line per DeepSpeed engine the step holds (see ``ft_checkpoint.integrations.deepspeed``): ZeRO stage, parallel sizes."""
     if not isinstance(metadata, dict):
         return []
     engines = {k: v for k, v in metadata.items() if isinstance(v, dict) and v.get("kind") == "deepspeed"}

@@ -23,8 +23,8 @@ step really reached by up to that much training time: the report then says "at l
 with ``progress_interval=0`` every step is noted there too.
 
 Example:
-    >>> from ft_checkpoint.journal import Journal
-    >>> from ft_checkpoint.storage import Storage
+    >>> from ft_checkpoint.run.journal import Journal
+    >>> from ft_checkpoint.store.storage import Storage
     >>> s = Storage("memory://doc/goodput")
     >>> j = Journal(s, attempt="20261129T000000.000000Z-aaaaaa")
     >>> j.record("attempt_start", world_size=1)
@@ -38,8 +38,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ft_checkpoint.journal import JournalReader
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.run.journal import JournalReader
+from ft_checkpoint.store.storage import Storage
 
 CLEAN_END, PREEMPTED, FAILED, UNFINISHED = "clean_end", "preempted", "failed", "unfinished"
 

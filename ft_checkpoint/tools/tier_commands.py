@@ -69,9 +69,9 @@ def class_rates(args: argparse.Namespace) -> dict[str, float]:
 
 def plan(args: argparse.Namespace) -> int:
     """``ft-checkpoint plan --fast-cost ...``: each tier's interval, and the waste against one tier and fixed ones."""
-    from ft_checkpoint.adaptive.classes import CRASH, NODE
-    from ft_checkpoint.adaptive.multilevel import pattern_waste, plan_tiers
-    from ft_checkpoint.adaptive.simulate_tiers import FIXED
+    from ft_checkpoint.policies.adaptive.classes import CRASH, NODE
+    from ft_checkpoint.policies.adaptive.multilevel import pattern_waste, plan_tiers
+    from ft_checkpoint.policies.adaptive.simulate_tiers import FIXED
 
     rates = class_rates(args)
     survives = {CRASH, NODE} if args.fast_replicas else {CRASH}
@@ -167,7 +167,7 @@ TIER_DEFAULTS = {"mtbf": [3600.0, 21600.0, 86400.0], "cost": [60.0, 600.0], "fas
 
 def simulate(args: argparse.Namespace) -> int:
     """``ft-checkpoint simulate --tiers``: one row per MTBF, cost pair and mix, printed as soon as it is computed."""
-    from ft_checkpoint.adaptive.simulate_tiers import POLICIES, simulate_tiers
+    from ft_checkpoint.policies.adaptive.simulate_tiers import POLICIES, simulate_tiers
 
     for name, default in TIER_DEFAULTS.items():
         if getattr(args, name, None) is None:

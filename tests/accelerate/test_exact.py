@@ -13,11 +13,12 @@ import os
 
 import pytest
 
-from ft_checkpoint import layout, read_journal
-from ft_checkpoint.adaptive.failures import count_failures
-from ft_checkpoint.journal import attempt_summaries
-from ft_checkpoint.lease import LEASE
-from ft_checkpoint.storage import Storage
+from ft_checkpoint import read_journal
+from ft_checkpoint.format import layout
+from ft_checkpoint.policies.adaptive.failures import count_failures
+from ft_checkpoint.run.journal import attempt_summaries
+from ft_checkpoint.run.lease import LEASE
+from ft_checkpoint.store.storage import Storage
 from tests.accelerate.conftest import STEPS, assert_bit_identical, final, launch, run_script
 from tests.accelerate.test_launch import run_pair
 from tests.accelerate.test_resume import INTERVAL, assert_skipped_not_loaded, run_until_done

@@ -17,9 +17,10 @@ from accelerate.state import AcceleratorState, GradientState
 from accelerate.tracking import GeneralTracker
 
 from accelerate_ft import FaultTolerantCheckpoint, FaultTolerantCheckpointPlugin
-from ft_checkpoint import CheckpointConfig, ConfigError, layout
-from ft_checkpoint.adaptive.policy import AdaptiveInterval
-from ft_checkpoint.layout import committed_steps
+from ft_checkpoint import CheckpointConfig, ConfigError
+from ft_checkpoint.format import layout
+from ft_checkpoint.format.layout import committed_steps
+from ft_checkpoint.policies.adaptive.policy import AdaptiveInterval
 from tests.helpers.settings import assert_takes_every_setting
 
 EXAMPLE_YAML = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "accelerate_ft.yaml")

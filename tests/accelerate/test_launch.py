@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from ft_checkpoint import layout, tensor_metadata
+from ft_checkpoint.format import layout, tensor_metadata
 from tests.accelerate.conftest import Attempt, assert_bit_identical, final, launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

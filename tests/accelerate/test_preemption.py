@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ft_checkpoint import read_journal
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.store.storage import Storage
 from tests.accelerate.conftest import assert_bit_identical, final, run_script
 
 pytestmark = pytest.mark.slow

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from ft_checkpoint import layout
-from ft_checkpoint.layout import UNLISTED
+from ft_checkpoint.format import layout
+from ft_checkpoint.format.layout import UNLISTED
 from tests.cli.conftest import HANG_AT, INTERVAL, SCRIPT, STEPS, TIMEOUT, cli, cli_json, run_in_terminal
 
 DISTCP = "__0_0.distcp"

@@ -21,7 +21,7 @@ import uuid
 import fsspec
 import pytest
 
-from ft_checkpoint import layout
+from ft_checkpoint.format import layout
 from tests.cli.conftest import ROOT, cli, cli_json
 
 pytestmark = pytest.mark.slow

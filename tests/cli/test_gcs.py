@@ -8,8 +8,8 @@ import uuid
 
 import pytest
 
-from ft_checkpoint import layout
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.format import layout
+from ft_checkpoint.store.storage import Storage
 from tests.cli.conftest import HANG_AT, INTERVAL, STEPS, cli, cli_json, killed_and_resumed
 
 

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from ft_checkpoint.journal import Journal, new_attempt_id
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.run.journal import Journal, new_attempt_id
+from ft_checkpoint.store.storage import Storage
 from ft_checkpoint.tools.goodput import goodput_report
 from tests.cli.conftest import cli
 from tests.helpers import garbage_journal as garbage

@@ -14,13 +14,13 @@ import sys
 import pytest
 
 from ft_checkpoint import CheckpointManager
-from ft_checkpoint.adaptive.failures import FailureModel, count_failures, prior_mtbf
-from ft_checkpoint.adaptive.interval import daly_interval, expected_waste, young_interval
-from ft_checkpoint.adaptive.policy import COST_GUESS, FIRST_SAVE_BY, AdaptiveInterval
-from ft_checkpoint.adaptive.simulate import POLICIES, _Fixed, _run, failure_times, simulate_scenario
-from ft_checkpoint.journal import Journal, attempt_summaries
-from ft_checkpoint.policy import SaveContext
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.policies.adaptive.failures import FailureModel, count_failures, prior_mtbf
+from ft_checkpoint.policies.adaptive.interval import daly_interval, expected_waste, young_interval
+from ft_checkpoint.policies.adaptive.policy import COST_GUESS, FIRST_SAVE_BY, AdaptiveInterval
+from ft_checkpoint.policies.adaptive.simulate import POLICIES, _Fixed, _run, failure_times, simulate_scenario
+from ft_checkpoint.policies.policy import SaveContext
+from ft_checkpoint.run.journal import Journal, attempt_summaries
+from ft_checkpoint.store.storage import Storage
 from tests.helpers.toy import make
 
 MIN, HOUR = 60.0, 3600.0

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ft_checkpoint import CheckpointManager
-from ft_checkpoint.layout import committed_steps
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.format.layout import committed_steps
+from ft_checkpoint.store.storage import Storage
 from tests.helpers.toy import assert_same, make, train_step
 
 TOTAL = 10

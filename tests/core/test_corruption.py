@@ -7,9 +7,10 @@ import random
 
 import pytest
 
-from ft_checkpoint import CheckpointManager, layout
+from ft_checkpoint import CheckpointManager
 from ft_checkpoint.errors import CheckpointCorruptError
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.format import layout
+from ft_checkpoint.store.storage import Storage
 from tests.helpers.toy import assert_same, make, train_step
 
 

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from ft_checkpoint import CheckpointManager
-from ft_checkpoint.layout import list_steps
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.format.layout import list_steps
+from ft_checkpoint.store.storage import Storage
 from ft_checkpoint.testing import jobs
 from ft_checkpoint.tools.catalog import check_step
 from tests.helpers.crash_child import expected_state

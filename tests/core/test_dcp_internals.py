@@ -1,4 +1,4 @@
-"""The private parts of torch DCP and DTensor that ft_checkpoint/_dcp_internals.py names, checked on the
+"""The private parts of torch DCP and DTensor that ft_checkpoint/format/_dcp_internals.py names, checked on the
 installed torch: a release that moves or changes one fails here, by name."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import subprocess
 import sys
 import textwrap
 
-from ft_checkpoint import _dcp_internals as internals
+from ft_checkpoint.format import _dcp_internals as internals
 
 
 def test_storage_info_has_the_fields_format_1_metadata_uses():
@@ -35,7 +35,7 @@ def test_dtensor_like_keeps_mesh_placements_and_shape_without_moving_the_shard(t
         import os, torch, torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard, distribute_tensor
-        from ft_checkpoint._dcp_internals import dtensor_like
+        from ft_checkpoint.format._dcp_internals import dtensor_like
         dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
         mesh = init_device_mesh("cpu", (1,))
         d = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from ft_checkpoint.layout import read_manifest
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.format.layout import read_manifest
+from ft_checkpoint.store.storage import Storage
 from ft_checkpoint.testing import jobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

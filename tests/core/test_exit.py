@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from ft_checkpoint.journal import read_journal
-from ft_checkpoint.lease import LEASE
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.run.journal import read_journal
+from ft_checkpoint.run.lease import LEASE
+from ft_checkpoint.store.storage import Storage
 
 pytestmark = pytest.mark.slow
 

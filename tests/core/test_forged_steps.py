@@ -24,10 +24,12 @@ import numpy as np
 import pytest
 import torch
 
-from ft_checkpoint import CheckpointManager, checksum, layout, tensor_metadata
+from ft_checkpoint import CheckpointManager
 from ft_checkpoint.errors import StateMismatchError
-from ft_checkpoint.legacy import load_metadata
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.format import layout, tensor_metadata
+from ft_checkpoint.format.legacy import load_metadata
+from ft_checkpoint.store import checksum
+from ft_checkpoint.store.storage import Storage
 from tests.core.test_untrusted import forge_metadata, replace_with_checksum, resumes_step_1, two_steps
 from tests.helpers.legacy import replace_legacy_file, write_legacy_step
 from tests.helpers.toy import assert_same, make, train_step

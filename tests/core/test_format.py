@@ -13,9 +13,10 @@ import time
 import pytest
 import torch
 
-from ft_checkpoint import CheckpointManager, layout
-from ft_checkpoint.shards import DTYPES, byte_view
-from ft_checkpoint.storage import Storage
+from ft_checkpoint import CheckpointManager
+from ft_checkpoint.format import layout
+from ft_checkpoint.format.shards import DTYPES, byte_view
+from ft_checkpoint.store.storage import Storage
 
 
 def every_kind() -> dict[str, torch.Tensor]:
@@ -149,7 +150,7 @@ def test_a_staged_tensor_kept_after_the_manager_closed_stays_readable(tmp_path):
     frames of a failed save's traceback, which pytest printed): reading it crashed the process with a
     segmentation fault. The mapping now lives as long as any tensor viewing it."""
     script = ("import torch\n"
-              "from ft_checkpoint.staging import Stager\n"
+              "from ft_checkpoint.save.staging import Stager\n"
               "s = Stager(shared=True)\n"
               "kept = s.stage({'w': torch.arange(1000.0)})['w']\n"
               "s.close()\n"

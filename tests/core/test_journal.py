@@ -7,8 +7,8 @@ import uuid
 import pytest
 
 from ft_checkpoint import CheckpointManager, read_journal
-from ft_checkpoint.journal import attempt_summaries
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.run.journal import attempt_summaries
+from ft_checkpoint.store.storage import Storage
 from ft_checkpoint.tools.goodput import goodput_report
 from tests.helpers import garbage_journal as garbage
 from tests.helpers.toy import make

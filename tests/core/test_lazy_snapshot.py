@@ -16,9 +16,10 @@ import pytest
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from ft_checkpoint import CheckpointManager, layout
+from ft_checkpoint import CheckpointManager
 from ft_checkpoint.config import CheckpointConfig
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.format import layout
+from ft_checkpoint.store.storage import Storage
 from tests.helpers.toy import assert_same
 
 FEATURES = 4096
@@ -127,7 +128,7 @@ def test_a_parameter_edited_before_the_next_step_abandons_the_save(tmp_path, cap
     """A weight edited in place between the save and the next optimizer step (here: after its copy is released)
     makes the snapshot torn: that save is never committed, later saves copy at once, and the resume (from the
     next save) is bit-exact. A torn step 3 would hold the edited weight, and its resume would edit it twice."""
-    with caplog.at_level(logging.WARNING, logger="ft_checkpoint.engine"):
+    with caplog.at_level(logging.WARNING, logger="ft_checkpoint.save.engine"):
         stats = interrupted(str(tmp_path), saves=(3, 5), crash_at=6, ema=False, edit_at=4)
     assert stats[0].abandoned is not None and "model/0.weight" in stats[0].abandoned and not stats[0].committed
     assert "step 3 abandoned" in caplog.text and "model/0.weight" in caplog.text

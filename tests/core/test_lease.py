@@ -14,10 +14,10 @@ from contextlib import contextmanager
 import pytest
 
 from ft_checkpoint import CheckpointManager
-from ft_checkpoint import lease as lease_module
 from ft_checkpoint.errors import LeaseError
-from ft_checkpoint.lease import LEASE, Lease
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.run import lease as lease_module
+from ft_checkpoint.run.lease import LEASE, Lease
+from ft_checkpoint.store.storage import Storage
 from tests.helpers.toy import make
 
 HOLD = """
@@ -154,8 +154,8 @@ HUNG_OWNER = """
 import json, sys, time
 sys.path.insert(0, {root!r})
 from ft_checkpoint.errors import LeaseError
-from ft_checkpoint.lease import Lease
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.run.lease import Lease
+from ft_checkpoint.store.storage import Storage
 lease = Lease(Storage({url!r}, json.loads({options!r})), attempt="hung", refresh=1.0)
 lease.acquire()
 print("HOLDING", flush=True)
@@ -386,7 +386,8 @@ def test_a_job_whose_directory_was_taken_over_commits_and_deletes_nothing_more(t
     next ``maybe_save`` raises LeaseError: it never writes a manifest or runs retention there again."""
     import torch
 
-    from ft_checkpoint import CheckpointManager, LeaseError, SaveError, layout
+    from ft_checkpoint import CheckpointManager, LeaseError, SaveError
+    from ft_checkpoint.format import layout
 
     url = str(tmp_path / "ckpt")
     old = CheckpointManager(url, interval=1, keep_last=1, on_save_error="warn")

@@ -16,10 +16,12 @@ import time
 
 import pytest
 
-from ft_checkpoint import CheckpointManager, layout, retention
+from ft_checkpoint import CheckpointManager
 from ft_checkpoint.errors import LeaseError
-from ft_checkpoint.journal import read_journal
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.format import layout
+from ft_checkpoint.run import retention
+from ft_checkpoint.run.journal import read_journal
+from ft_checkpoint.store.storage import Storage
 from ft_checkpoint.tools.catalog import apply_gc, plan_gc
 from tests.cli.conftest import cli
 from tests.helpers.toy import make
@@ -251,7 +253,7 @@ def test_a_lease_from_the_future_is_stale_and_the_takeover_says_why(tmp_path, ca
     url = str(tmp_path / "ckpt")
     plant_lease(url, heartbeat=YEAR_2100, mtime=None if case == "heartbeat in 2100" else YEAR_2100,
                 garbage=case.startswith("unreadable"))
-    caplog.set_level(logging.INFO, logger="ft_checkpoint.lease")
+    caplog.set_level(logging.INFO, logger="ft_checkpoint.run.lease")
     with CheckpointManager(url, interval=1) as ckpt:
         ckpt.save(1, make(), block=True)
     taken = next(r.getMessage() for r in caplog.records if "taking over the checkpoint lease" in r.getMessage())

@@ -16,15 +16,15 @@ import time
 import pytest
 
 from ft_checkpoint import CheckpointManager
-from ft_checkpoint.adaptive import simulate_tiers as sim
-from ft_checkpoint.adaptive.classes import CRASH, MORE, NO_FAST_STEP, NODE, ClassRates, class_counts
-from ft_checkpoint.adaptive.failures import FailureModel
-from ft_checkpoint.adaptive.interval import expected_waste
-from ft_checkpoint.adaptive.multilevel import pattern_waste, plan_tiers
-from ft_checkpoint.adaptive.policy import FIRST_SAVE_BY
-from ft_checkpoint.adaptive.tier_policy import DURABLE, FAST, MultiLevelInterval
-from ft_checkpoint.journal import attempt_summaries, read_journal
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.policies.adaptive import simulate_tiers as sim
+from ft_checkpoint.policies.adaptive.classes import CRASH, MORE, NO_FAST_STEP, NODE, ClassRates, class_counts
+from ft_checkpoint.policies.adaptive.failures import FailureModel
+from ft_checkpoint.policies.adaptive.interval import expected_waste
+from ft_checkpoint.policies.adaptive.multilevel import pattern_waste, plan_tiers
+from ft_checkpoint.policies.adaptive.policy import FIRST_SAVE_BY
+from ft_checkpoint.policies.adaptive.tier_policy import DURABLE, FAST, MultiLevelInterval
+from ft_checkpoint.run.journal import attempt_summaries, read_journal
+from ft_checkpoint.store.storage import Storage
 from ft_checkpoint.tiers.folder import Mark
 from ft_checkpoint.tiers.node import Ring
 from ft_checkpoint.tiers.sources import Holding, failure_class

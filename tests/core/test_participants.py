@@ -8,8 +8,9 @@ import io
 import pytest
 import torch
 
-from ft_checkpoint import CheckpointManager, ConfigError, layout
-from ft_checkpoint.storage import Storage
+from ft_checkpoint import CheckpointManager, ConfigError
+from ft_checkpoint.format import layout
+from ft_checkpoint.store.storage import Storage
 from tests.helpers.toy import assert_same, make, train_step
 
 

@@ -6,10 +6,11 @@ import os
 
 import pytest
 
-from ft_checkpoint import CheckpointManager, layout
+from ft_checkpoint import CheckpointManager
 from ft_checkpoint.errors import Preempted
-from ft_checkpoint.policy import EveryInterval, EveryNSteps, OnPreemption, SaveContext
-from ft_checkpoint.retention import plan_deletions
+from ft_checkpoint.format import layout
+from ft_checkpoint.policies.policy import EveryInterval, EveryNSteps, OnPreemption, SaveContext
+from ft_checkpoint.run.retention import plan_deletions
 from tests.helpers.toy import make
 
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from ft_checkpoint import CheckpointConfig, CheckpointManager, ConfigError, read_journal
-from ft_checkpoint.adaptive.failures import count_failures
 from ft_checkpoint.errors import Preempted
-from ft_checkpoint.journal import attempt_summaries
-from ft_checkpoint.preemption import PreemptionWatcher
-from ft_checkpoint.slurm import SlurmJob
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.policies.adaptive.failures import count_failures
+from ft_checkpoint.run.journal import attempt_summaries
+from ft_checkpoint.run.preemption import PreemptionWatcher
+from ft_checkpoint.run.slurm import SlurmJob
+from ft_checkpoint.store.storage import Storage
 from ft_checkpoint.testing import jobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

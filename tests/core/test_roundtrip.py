@@ -33,8 +33,8 @@ def test_roundtrip_is_bit_exact(backend):
 
 
 def test_manifest_records_step_epoch_and_metadata(local_backend):
-    from ft_checkpoint.layout import read_manifest
-    from ft_checkpoint.storage import Storage
+    from ft_checkpoint.format.layout import read_manifest
+    from ft_checkpoint.store.storage import Storage
 
     with CheckpointManager(local_backend.url, interval=1) as ckpt:
         ckpt.save(7, make(), epoch=2, metadata={"run": "a"}, block=True)

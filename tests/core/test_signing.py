@@ -15,9 +15,10 @@ import threading
 
 import pytest
 
-from ft_checkpoint import CheckpointConfig, CheckpointManager, layout
+from ft_checkpoint import CheckpointConfig, CheckpointManager
 from ft_checkpoint.errors import ConfigError, SignatureError
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.format import layout
+from ft_checkpoint.store.storage import Storage
 from tests.helpers.toy import assert_same, make, train_step
 
 KEY = "5f0c9e2a7d41b8363ac2e9f17b0d4c5a" * 2  # 64 hex digits, as `openssl rand -hex 32` prints

@@ -6,8 +6,9 @@ import collections
 import itertools
 import os
 
-from ft_checkpoint import CheckpointManager, layout
-from ft_checkpoint.storage import Storage
+from ft_checkpoint import CheckpointManager
+from ft_checkpoint.format import layout
+from ft_checkpoint.store.storage import Storage
 from tests.core.test_corruption import flip_byte
 from tests.helpers.toy import assert_same, make, train_step
 

@@ -16,12 +16,13 @@ import sys
 import pytest
 import torch
 
-from ft_checkpoint import CheckpointManager, layout
+from ft_checkpoint import CheckpointManager
 from ft_checkpoint.config import CheckpointConfig
 from ft_checkpoint.errors import CheckpointCorruptError, ConfigError
-from ft_checkpoint.journal import read_journal
-from ft_checkpoint.lease import job_id
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.format import layout
+from ft_checkpoint.run.journal import read_journal
+from ft_checkpoint.run.lease import job_id
+from ft_checkpoint.store.storage import Storage
 from ft_checkpoint.tiers.folder import FastFolder, run_key, runs_in
 from ft_checkpoint.tiers.transfer import Incoming, Outgoing
 from ft_checkpoint.tiers.write import write_rank_step

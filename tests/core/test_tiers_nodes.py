@@ -25,9 +25,9 @@ import os
 
 import pytest
 
-from ft_checkpoint.adaptive.classes import CRASH, MORE, NO_FAST_STEP, NODE, class_counts
-from ft_checkpoint.journal import attempt_summaries, read_journal
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.policies.adaptive.classes import CRASH, MORE, NO_FAST_STEP, NODE, class_counts
+from ft_checkpoint.run.journal import attempt_summaries, read_journal
+from ft_checkpoint.store.storage import Storage
 from ft_checkpoint.testing import jobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

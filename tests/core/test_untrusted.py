@@ -14,10 +14,11 @@ import pickle
 import pytest
 import torch
 
-from ft_checkpoint import CheckpointManager, layout
+from ft_checkpoint import CheckpointManager
 from ft_checkpoint.errors import CheckpointCorruptError, StateMismatchError
-from ft_checkpoint.retention import apply_retention
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.format import layout
+from ft_checkpoint.run.retention import apply_retention
+from ft_checkpoint.store.storage import Storage
 from tests.helpers.legacy import replace_legacy_file, write_legacy_step
 from tests.helpers.toy import assert_same, make, train_step
 
@@ -156,7 +157,7 @@ def test_forged_tensor_metadata_is_refused_before_anything_is_read(tmp_path, cap
 def test_format1_relative_path_outside_the_step_is_refused(tmp_path, caplog):
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-    from ft_checkpoint.legacy import load_metadata
+    from ft_checkpoint.format.legacy import load_metadata
 
     url = str(tmp_path / "ckpt")
     step1 = make(seed=1)

@@ -1,6 +1,6 @@
 """Checks that need a live DeepSpeed engine, run under torchrun (1 rank); each rank reports into OUT.
 
-    torchrun --nproc-per-node 1 ds_checks.py OUT internals     # ft_checkpoint/_deepspeed_internals.py
+    torchrun --nproc-per-node 1 ds_checks.py OUT internals     # ft_checkpoint/integrations/_deepspeed_internals.py
     torchrun --nproc-per-node 1 ds_checks.py OUT refusals      # what DeepSpeedState refuses; two engines
     torchrun --nproc-per-node 1 ds_checks.py OUT dp-change DIR # a resume of a 2-rank ZeRO-2 directory
     torchrun --nproc-per-node 1 ds_checks.py OUT universal DIR # load a ds_to_universal conversion
@@ -24,8 +24,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from ft_checkpoint import CheckpointManager, ConfigError, StateMismatchError  # noqa: E402
-from ft_checkpoint import _deepspeed_internals as internals  # noqa: E402
-from ft_checkpoint.deepspeed import DeepSpeedState  # noqa: E402
+from ft_checkpoint.integrations import _deepspeed_internals as internals  # noqa: E402
+from ft_checkpoint.integrations.deepspeed import DeepSpeedState  # noqa: E402
 from tests.deepspeed.ds_train import make_engine  # noqa: E402
 
 OUT = ""

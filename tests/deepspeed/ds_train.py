@@ -37,7 +37,8 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from ft_checkpoint import CheckpointManager, layout  # noqa: E402
+from ft_checkpoint import CheckpointManager  # noqa: E402
+from ft_checkpoint.format import layout
 
 RANK = int(os.environ.get("RANK", "0"))
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

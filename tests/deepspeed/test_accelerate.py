@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from ft_checkpoint import layout
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.format import layout
+from ft_checkpoint.store.storage import Storage
 from ft_checkpoint.testing import jobs
 from tests.deepspeed.conftest import ENV, TIMEOUT, Run
 

@@ -1,6 +1,6 @@
 """Every private DeepSpeed API ft_checkpoint relies on, exercised against the installed DeepSpeed.
 
-A failure here names a use in ``ft_checkpoint/_deepspeed_internals.py`` that a DeepSpeed release
+A failure here names a use in ``ft_checkpoint/integrations/_deepspeed_internals.py`` that a DeepSpeed release
 changed: fix that function (and widen ``TESTED`` and the pyproject bound only once this passes).
 """
 
@@ -31,5 +31,5 @@ def results(tmp_path_factory):
 def test_deepspeed_internal_still_behaves_as_ft_checkpoint_expects(results, name):
     rows, run = results
     assert name in rows, f"the check {name!r} did not run\n{run.explain()}"
-    assert rows[name]["ok"], (f"ft_checkpoint/_deepspeed_internals.py: DeepSpeed changed ({name}): "
+    assert rows[name]["ok"], (f"ft_checkpoint/integrations/_deepspeed_internals.py: DeepSpeed changed ({name}): "
                               f"{rows[name]['detail']}")

@@ -15,8 +15,8 @@ import random
 
 import pytest
 
-from ft_checkpoint import layout
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.format import layout
+from ft_checkpoint.store.storage import Storage
 from tests.deepspeed.conftest import INTERVAL, SEED, STEPS, assert_bit_exact, final, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

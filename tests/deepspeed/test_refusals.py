@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from ft_checkpoint import layout
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.format import layout
+from ft_checkpoint.store.storage import Storage
 from ft_checkpoint.testing import jobs
 from tests.deepspeed.conftest import ENV, torchrun
 

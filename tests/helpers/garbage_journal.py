@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import time
 
-from ft_checkpoint.journal import Journal, new_attempt_id
-from ft_checkpoint.layout import JOURNAL_DIR
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.format.layout import JOURNAL_DIR
+from ft_checkpoint.run.journal import Journal, new_attempt_id
+from ft_checkpoint.store.storage import Storage
 
 
 def event(of: str, name: str = "commit", seq: int = 50, **changes) -> bytes:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-from ft_checkpoint import layout
+from ft_checkpoint.format import layout
 from ft_checkpoint.state import rng_state, split_tree, to_tree
 
 

@@ -36,7 +36,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import ft_checkpoint.testing.faults  # noqa: E402, F401 - registers faulty:// in this process (the test's directory)
-from ft_checkpoint import CheckpointManager, layout  # noqa: E402
+from ft_checkpoint import CheckpointManager  # noqa: E402
+from ft_checkpoint.format import layout
 from ft_checkpoint.testing.jobs import report  # noqa: E402
 from ft_checkpoint.tiers import transfer  # noqa: E402
 from tests.helpers import toy  # noqa: E402

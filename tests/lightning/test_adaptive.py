@@ -11,7 +11,7 @@ import time
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger
 
-from ft_checkpoint.adaptive.policy import AdaptiveInterval
+from ft_checkpoint.policies.adaptive.policy import AdaptiveInterval
 from lightning_ft import FaultTolerantCheckpoint
 from lightning_ft.testing import fit
 

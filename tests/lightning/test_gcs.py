@@ -14,7 +14,7 @@ import fsspec
 import pytest
 import torch
 
-from ft_checkpoint import layout
+from ft_checkpoint.format import layout
 from lightning_ft.testing import assert_same
 
 pytestmark = pytest.mark.slow

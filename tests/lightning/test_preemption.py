@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ft_checkpoint import read_journal
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.store.storage import Storage
 from lightning_ft.testing import assert_same
 from tests.lightning.test_kill_resume import read_runs
 

@@ -19,8 +19,9 @@ import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-from ft_checkpoint import ConfigError, StateMismatchError, layout
-from ft_checkpoint.storage import Storage
+from ft_checkpoint import ConfigError, StateMismatchError
+from ft_checkpoint.format import layout
+from ft_checkpoint.store.storage import Storage
 from lightning_ft import FaultTolerantCheckpoint
 from lightning_ft.testing import Data, assert_same, final_state, fit
 
@@ -193,7 +194,7 @@ def test_a_tensor_left_out_of_the_metadata_falls_back_to_the_previous_step(tmp_p
 
 
 def committed(dirpath) -> list[int]:
-    from ft_checkpoint.storage import Storage
+    from ft_checkpoint.store.storage import Storage
 
     return layout.committed_steps(Storage(str(dirpath)))
 

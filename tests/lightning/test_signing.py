@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import logging
 
-from ft_checkpoint import layout
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.format import layout
+from ft_checkpoint.store.storage import Storage
 from lightning_ft import FaultTolerantCheckpoint
 from lightning_ft.testing import assert_same, final_state, fit
 

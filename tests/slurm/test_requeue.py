@@ -18,8 +18,8 @@ import sys
 
 import pytest
 
-from ft_checkpoint.journal import read_journal
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.run.journal import read_journal
+from ft_checkpoint.store.storage import Storage
 from tests.slurm.conftest import ROOT
 
 pytestmark = pytest.mark.slow

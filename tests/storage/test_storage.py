@@ -6,9 +6,9 @@ import fsspec
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
-from ft_checkpoint import layout
 from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, StorageError, StorageNotFoundError
-from ft_checkpoint.storage import Storage, is_transient
+from ft_checkpoint.format import layout
+from ft_checkpoint.store.storage import Storage, is_transient
 
 
 @pytest.fixture
@@ -168,8 +168,8 @@ def test_is_transient_looks_at_http_status_and_causes():
 def test_gcs_stored_crc32c_is_compared_with_ours(request, tmp_path):
     """GCS keeps a CRC-32C of every object: a write compares it with the CRC of the bytes it sent, so bytes
     changed on the way are caught (and the write retried) before the commit, without reading them back."""
-    from ft_checkpoint.checksum import crc32c_of
-    from ft_checkpoint.storage import StoredChecksumMismatch
+    from ft_checkpoint.store.checksum import crc32c_of
+    from ft_checkpoint.store.storage import StoredChecksumMismatch
     from tests.conftest import _make_backend
 
     backend = _make_backend("gcs", request, tmp_path)
@@ -208,7 +208,7 @@ def test_gcs_a_small_file_is_joined_in_a_buffer_that_the_next_save_reuses(reques
     """On GCS a file up to SINGLE_PUT_MAX is joined into a pooled buffer instead of fresh memory on every save:
     the next file of the same size reuses it, and each object keeps its own bytes (the buffer is not reused
     while an upload reads it), through gcsfs's one-request upload and its resumable one (over 50 MiB)."""
-    from ft_checkpoint.checksum import crc32c_of
+    from ft_checkpoint.store.checksum import crc32c_of
     from tests.conftest import _make_backend
 
     backend = _make_backend("gcs", request, tmp_path)
@@ -228,8 +228,8 @@ def test_s3_a_small_file_is_one_put_and_a_large_one_is_streamed_in_parts(request
     server reassemble it: 1.9x a plain put); a larger one goes in parts of PART_SIZE, one part in memory at a
     time. S3 tells them apart: a multipart object's ETag ends in ``-<parts>``. Both keep their bytes and
     return the CRC of each buffer."""
-    from ft_checkpoint import storage as storage_module
-    from ft_checkpoint.checksum import crc32c_of
+    from ft_checkpoint.store import storage as storage_module
+    from ft_checkpoint.store.checksum import crc32c_of
     from tests.conftest import _make_backend
 
     backend = _make_backend("s3", request, tmp_path)

@@ -17,9 +17,9 @@ import uuid
 
 import pytest
 
-from ft_checkpoint import storage as storage_module
 from ft_checkpoint.errors import StorageError, StoragePermissionError
-from ft_checkpoint.storage import Storage
+from ft_checkpoint.store import storage as storage_module
+from ft_checkpoint.store.storage import Storage
 from ft_checkpoint.testing import servers
 from tests.cli.conftest import cli
 

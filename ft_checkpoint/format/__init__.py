@@ -1,0 +1,1 @@
+"""The on-disk format: step directories, the manifest, shard files, tensor metadata, signatures."""

@@ -1,0 +1,445 @@
+"""Step directories: their names, the manifest that commits one, and listing, checking and deleting them.
+
+::
+
+    <dirpath>/
+      step_000000001200/          one directory per step, zero-padded so names sort by step
+        __0_0.distcp  __1_0.distcp               tensor data, raw bytes (one or more files per rank)
+        metadata.json                            where each tensor chunk lies, with its CRC-32C (rank 0)
+        rank_00000.pt  rank_00001.pt             per-rank non-tensor state and RNG (weights-only)
+        manifest.json                            the commit marker: written last, by rank 0
+      journal/<attempt>/<seq>-<event>.json       what happened to the run (see ``journal``)
+
+A step exists for readers only if its ``manifest.json`` exists and checks: strictly typed fields, every
+file it lists present with the listed size, no other file in the directory (one left over or copied in
+could be read by a loader), no symbolic link. Checksums are verified as the bytes are read (see
+``dcp_format``). A step directory without a manifest is garbage from an interrupted save. Only real
+directories named ``step_`` + 12 ASCII digits are steps: a file, a symbolic link or another name is
+not ours, and nothing here reads, follows or deletes it. Format 1 (before CRC-32C and ``metadata.json``:
+DCP's own shard format, pickled ``.metadata``, SHA-256) keeps loading.
+With a signing key, a step also needs a manifest whose signature verifies (see ``signing``).
+
+Example:
+    >>> step_dir(1200)
+    'step_000000001200'
+    >>> parse_step("step_000000001200"), parse_step("step_12.tmp"), parse_step("step_٠٠٠٠٠٠٠٠٠٠١٢")
+    (1200, None, None)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import re
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ft_checkpoint.errors import CheckpointCorruptError, SignatureError, StorageNotFoundError
+from ft_checkpoint.format import signing
+from ft_checkpoint.store import checksum as crc
+from ft_checkpoint.store.jsonfile import is_int
+from ft_checkpoint.store.storage import Storage
+from ft_checkpoint.units import short
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+METADATA = "metadata.json"  # see tensor_metadata
+JOURNAL_DIR = "journal"
+FORMAT_VERSION = 2
+"""2: raw tensor bytes, ``metadata.json``, CRC-32C. 1: DCP's FileSystemWriter format, SHA-256 (still read)."""
+SKIPPED_SUFFIX = ".skipped"
+MAX_MANIFEST_BYTES = 64 << 20
+"""The largest ``manifest.json`` read (bytes): about 750,000 files at ~85 bytes per entry; a larger one is corrupt."""
+MAX_STEP = 10**12
+_STEP_RE = re.compile(r"step_([0-9]{12})", re.ASCII)
+_SAFE_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+", re.ASCII)
+UNLISTED = "not listed in the manifest (left over or copied in; a step must hold only what it committed)"
+REFUSED = "refused"
+"""A :attr:`StepCheck.signature` that a signing key refused (unsigned, or not verifying)."""
+QUARANTINED = "quarantined: a resume found it corrupt and renamed its manifest to manifest.json.skipped"
+
+
+def step_dir(step: int) -> str:
+    """The directory name of ``step``."""
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < MAX_STEP:
+        raise ValueError(f"step={step!r}: must be an integer in [0, 10**12)")
+    return f"step_{step:012d}"
+
+
+def parse_step(name: str) -> int | None:
+    """The step of a step directory name (ASCII digits only), or None for anything else."""
+    m = _STEP_RE.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def rank_file(rank: int) -> str:
+    """The name of rank ``rank``'s non-tensor state file."""
+    return f"rank_{rank:05d}.pt"
+
+
+def is_plain_name(name: Any) -> bool:
+    """Whether ``name`` is a plain file name inside a step directory (no path, no ``..``, not the manifest).
+
+    Example:
+        >>> is_plain_name("__0_0.distcp"), is_plain_name("../x"), is_plain_name("/etc/passwd"), is_plain_name("..")
+        (True, False, False, False)
+    """
+    return (isinstance(name, str) and bool(_SAFE_NAME_RE.fullmatch(name)) and name not in (".", "..")
+            and name != MANIFEST and len(name) <= 255)
+
+
+def checksum(chunks: Iterable[Any]) -> str:
+    """``"crc32c:<hex>"`` of the concatenated chunks (how manifests name a file's checksum)."""
+    value = 0
+    for c in chunks:
+        value = crc.crc32c_of(c, value)
+    return crc.format_crc(value)
+
+
+# -- the manifest ------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FileEntry:
+    """One file of a committed step."""
+
+    size: int
+    checksum: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """The commit marker of one step: what was saved, by whom, and how to check it."""
+
+    step: int
+    world_size: int
+    files: dict[str, FileEntry]
+    epoch: int | None = None
+    time: float = dataclasses.field(default_factory=time.time)
+    versions: dict[str, str] = dataclasses.field(default_factory=dict)
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+    signature: dict[str, str] | None = None
+    """With a signing key: ``{"alg": "hmac-sha256", "run", "key_id", "mac"}`` (see ``signing``); else absent."""
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all files of the step."""
+        return sum(f.size for f in self.files.values())
+
+    def unlisted(self, names: Iterable[str]) -> list[str]:
+        """The names among ``names`` (a step directory's files) that this manifest does not list, itself aside.
+
+        Example:
+            >>> m = Manifest(step=1, world_size=1, files={"a.bin": FileEntry(size=1, checksum="crc32c:00000000")})
+            >>> m.unlisted(["a.bin", "manifest.json", "stray.distcp"])
+            ['stray.distcp']
+        """
+        return sorted(set(names) - set(self.files) - {MANIFEST})
+
+    def to_json(self) -> bytes:
+        """Serialize (stable key order, readable); an unsigned manifest has no ``signature`` field at all."""
+        d = dataclasses.asdict(self)
+        if d["signature"] is None:
+            del d["signature"]
+        return json.dumps({"format": "ft-checkpoint", **d}, indent=1, sort_keys=True, allow_nan=False).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, *, where: str = "manifest") -> Manifest:
+        """Parse and validate a manifest strictly (an int is an int, not a bool or a float); raises
+        CheckpointCorruptError saying what is wrong.
+
+        Example:
+            >>> Manifest.from_json(Manifest(step=3, world_size=1, files={}).to_json()).step
+            3
+            >>> try:
+            ...     Manifest.from_json(b'{"format": "ft-checkpoint", "format_version": 2, "step": 2.0, '
+            ...                        b'"world_size": 1, "files": {}}')
+            ... except CheckpointCorruptError as e:
+            ...     print(e)
+            manifest: field 'step' is 2.0: expected an integer in [0, 10**12)
+        """
+        try:
+            d = json.loads(data, parse_constant=_refuse_constant)
+        except (ValueError, RecursionError) as e:  # bad bytes or syntax, NaN, an endless number, deep nesting
+            raise CheckpointCorruptError(f"{where}: not valid JSON ({type(e).__name__}: {e})") from e
+        if not isinstance(d, dict) or d.pop("format", None) != "ft-checkpoint":
+            raise CheckpointCorruptError(f"{where}: not an ft-checkpoint manifest")
+        version = d.get("format_version")
+        if is_int(version) and version > FORMAT_VERSION:
+            raise CheckpointCorruptError(
+                f"{where}: format_version {version!r} is newer than this ft-checkpoint supports "
+                f"({FORMAT_VERSION}). HINT: upgrade ft-checkpoint to read it")
+        return cls(**_checked_fields(d, where))
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _checked_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """The manifest's fields, each type-checked; CheckpointCorruptError naming the first bad one."""
+    def bad(field: str, expected: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"{where}: field {field!r} is {short(d.get(field))}: expected {expected}")
+
+    known = {f.name for f in dataclasses.fields(Manifest)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise CheckpointCorruptError(f"{where}: unknown fields {unknown[:5]}")
+    for field in ("format_version", "step", "world_size", "files"):
+        if field not in d:
+            raise CheckpointCorruptError(f"{where}: field {field!r} is missing")
+    checks: dict[str, tuple[Callable[[Any], bool], str]] = {
+        "format_version": (lambda v: is_int(v) and 1 <= v <= FORMAT_VERSION, f"an integer from 1 to {FORMAT_VERSION}"),
+        "step": (lambda v: is_int(v) and 0 <= v < MAX_STEP, "an integer in [0, 10**12)"),
+        "world_size": (lambda v: is_int(v) and 1 <= v <= 10**7, "an integer >= 1"),
+        "epoch": (lambda v: v is None or (is_int(v) and v >= 0), "null or an integer >= 0"),
+        "time": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+                 "a finite number (seconds since the epoch)"),
+        "versions": (lambda v: isinstance(v, dict) and all(isinstance(x, str) for kv in v.items() for x in kv),
+                     "an object of strings"),
+        "metadata": (lambda v: isinstance(v, dict), "an object"),
+        "files": (lambda v: isinstance(v, dict), "an object of file entries"),
+        "signature": (lambda v: v is None or signing.is_signature(v),
+                      'null or {"alg": "hmac-sha256", "run": <str>, "key_id": <16 hex>, "mac": <64 hex>}'),
+    }
+    for field, (ok, expected) in checks.items():
+        if field in d and not ok(d[field]):
+            raise bad(field, expected)
+    d["files"] = {name: _file_entry(name, entry, where) for name, entry in d["files"].items()}
+    return d
+
+
+def _file_entry(name: Any, entry: Any, where: str) -> FileEntry:
+    if not is_plain_name(name):
+        raise CheckpointCorruptError(f"{where}: file name {short(name)} is not a plain name inside the step "
+                                     "directory; refusing it")
+    if not isinstance(entry, dict) or set(entry) != {"size", "checksum"}:
+        raise CheckpointCorruptError(f"{where}: the entry of {name} is {short(entry)}: expected "
+                                     '{"size": <int>, "checksum": <str>}')
+    size, check = entry["size"], entry["checksum"]
+    if not is_int(size) or size < 0:
+        raise CheckpointCorruptError(f"{where}: the size of {name} is {short(size)}: expected an integer >= 0")
+    if not crc.is_valid(check):
+        raise CheckpointCorruptError(f"{where}: the checksum of {name} is {short(check)}: expected "
+                                     "'crc32c:<8 hex digits>' or 'sha256:<64 hex digits>'")
+    return FileEntry(size=size, checksum=check)
+
+
+# -- listing -----------------------------------------------------------------------------------
+def list_steps(storage: Storage) -> dict[int, bool]:
+    """``{step: has a manifest.json}`` for every step directory (real directories only: a file or a
+    symbolic link named like a step is not one of ours and is ignored)."""
+    steps = {}
+    for name, entry in storage.entries("").items():
+        step = parse_step(name)
+        if step is None:
+            continue
+        if entry.kind != "directory":
+            log.warning("ignoring %s: named like a step directory but it is a %s", storage.url_of(name),
+                        "symbolic link or special file" if entry.kind == "other" else "file")
+            continue
+        steps[step] = MANIFEST in storage.sizes(name)
+    return steps
+
+
+def read_manifest(storage: Storage, step: int, *, signer: signing.Signer | None = None) -> Manifest:
+    """Read and parse the manifest of ``step``; CheckpointCorruptError if missing or invalid, and with a
+    ``signer``, SignatureError if it is unsigned or its signature does not verify for this run and step."""
+    rel = f"{step_dir(step)}/{MANIFEST}"
+    try:
+        data = storage.read_control(rel, max_bytes=MAX_MANIFEST_BYTES)  # never a FIFO, a link, a huge file
+    except StorageNotFoundError as e:
+        raise CheckpointCorruptError("manifest.json is missing") from e
+    return check_manifest(Manifest.from_json(data, where=storage.url_of(rel)), step, signer=signer)
+
+
+def check_manifest(manifest: Manifest, step: int, *, signer: signing.Signer | None = None) -> Manifest:
+    """``manifest`` if it is the one of ``step`` (and with a ``signer``, signed for this run and step): see
+    :func:`read_manifest`, which reads it first."""
+    if signer is not None:
+        signer.check(manifest, step)
+    if manifest.step != step:
+        raise CheckpointCorruptError(f"manifest.json says step {manifest.step}, the directory says {step}")
+    return manifest
+
+
+@dataclasses.dataclass
+class Listing:
+    """The step directories of a checkpoint directory, listed once, and the manifests that parse, each read once:
+    what a start needs (the newest committed step, the candidates of a resume), without reading them again.
+
+    Example:
+        >>> Listing.of(Storage("memory://doc/listing")).newest is None
+        True
+    """
+
+    steps: dict[int, bool]
+    """``{step: has a manifest.json}``, as :func:`list_steps` returns it."""
+    manifests: dict[int, Manifest]
+    """The manifests that parse (not checked against a signing key: a resume does that)."""
+
+    @classmethod
+    def of(cls, storage: Storage, steps: dict[int, bool] | None = None) -> Listing:
+        """List ``storage`` (or take ``steps``) and read every manifest once; one that does not parse is warned about."""
+        steps = list_steps(storage) if steps is None else steps
+        manifests = {}
+        for step in sorted(s for s, has_manifest in steps.items() if has_manifest):
+            try:
+                manifests[step] = read_manifest(storage, step)
+            except CheckpointCorruptError as e:
+                log.warning("step %d in %s does not count as committed: %s", step, storage.url, e)
+        return cls(steps=steps, manifests=manifests)
+
+    @property
+    def committed(self) -> list[int]:
+        """Steps whose manifest parses, ascending: what counts as committed."""
+        return sorted(self.manifests)
+
+    @property
+    def newest(self) -> int | None:
+        """The newest committed step, or None."""
+        return max(self.manifests, default=None)
+
+
+def committed_steps(storage: Storage, steps: dict[int, bool] | None = None) -> list[int]:
+    """Steps whose manifest exists and parses (ascending): what counts as committed. One small read each."""
+    return Listing.of(storage, steps).committed
+
+
+# -- checking ----------------------------------------------------------------------------------
+@dataclasses.dataclass
+class StepCheck:
+    """The outcome of checking one step: its manifest (if it parsed) and every problem, each naming a file."""
+
+    step: int
+    manifest: Manifest | None = None
+    problems: list[str] = dataclasses.field(default_factory=list)
+    bytes_checked: int = 0
+    signature: str | None = None
+    """``"verified"`` (with a key), ``"refused"`` (with a key: unsigned or not verifying; the first problem says
+    why), ``"not checked"`` (signed, no key given), ``"none"`` (unsigned, no key given); None: no manifest."""
+
+    @property
+    def ok(self) -> bool:
+        return self.manifest is not None and not self.problems
+
+    @property
+    def files(self) -> int:
+        """Files the manifest lists (0 without a manifest)."""
+        return len(self.manifest.files) if self.manifest else 0
+
+    @property
+    def bytes(self) -> int:
+        """Bytes the manifest lists."""
+        return self.manifest.total_bytes if self.manifest else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "ok": self.ok, "files": self.files, "bytes": self.bytes,
+                "signature": self.signature, "problems": list(self.problems)}
+
+    def raise_if_bad(self) -> Manifest:
+        """The manifest, or CheckpointCorruptError with the first problems (unlisted files in one); SignatureError
+        if the signature was refused."""
+        if self.ok:
+            assert self.manifest is not None
+            return self.manifest
+        if self.signature == REFUSED:
+            raise SignatureError(self.problems[0])
+        suffix = f": {UNLISTED}"
+        unlisted = [p.removesuffix(suffix) for p in self.problems if p.endswith(suffix)]
+        problems = [p for p in self.problems if not p.endswith(suffix)]
+        if unlisted:
+            problems.append(f"{', '.join(unlisted[:5])}{', ...' if len(unlisted) > 5 else ''}{suffix}")
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CheckpointCorruptError("; ".join(problems[:3]) + more)
+
+
+OnBytes = Callable[[int], None]
+"""Called with the number of bytes just read (drives a progress bar)."""
+
+
+def check_step(storage: Storage, step: int, *, checksums: bool | Callable[[str], bool] = False,
+               on_bytes: OnBytes | None = None, signer: signing.Signer | None = None,
+               manifest: Manifest | None = None) -> StepCheck:
+    """Check a step: the manifest (with a ``signer``, its signature first: nothing else is looked at in a
+    step it refuses), every file's size and kind, no file it does not list, and checksums (``True``: every
+    file; a predicate: the files it selects, e.g. this rank's share; ``False``: none — a resume verifies
+    format-2 data as it reads it). ``manifest``: the step's manifest as a :class:`Listing` read it moments
+    ago (checked here like one read now, and not read again).
+
+    Example:
+        >>> check_step(Storage("memory://doc/check"), 7).problems
+        ['manifest.json is missing']
+    """
+    result = StepCheck(step=step)
+    rel = step_dir(step)
+    try:
+        result.manifest = manifest = (read_manifest(storage, step, signer=signer) if manifest is None
+                                      else check_manifest(manifest, step, signer=signer))
+    except SignatureError as e:
+        result.signature = REFUSED
+        result.problems.append(str(e))
+        return result
+    except CheckpointCorruptError as e:
+        quarantined = MANIFEST + SKIPPED_SUFFIX in storage.sizes(rel)
+        result.problems.append(QUARANTINED if quarantined else str(e))
+        return result
+    result.signature = "verified" if signer is not None else "none" if manifest.signature is None else "not checked"
+    entries = storage.entries(rel)
+    for name, entry in sorted(manifest.files.items()):
+        problem = _entry_problem(entries.get(name), entry)
+        if problem is None and (checksums is True or (callable(checksums) and checksums(name))):
+            problem = _checksum_problem(storage, f"{rel}/{name}", entry, on_bytes)
+            result.bytes_checked += entry.size
+        if problem:
+            result.problems.append(f"{name}: {problem}")
+    result.problems += [f"{name}: {UNLISTED}" for name in manifest.unlisted(entries)]
+    return result
+
+
+def _entry_problem(found: Any, entry: FileEntry) -> str | None:
+    if found is None:
+        return "missing"
+    if found.kind != "file":
+        return "is a symbolic link or not a regular file; refusing to read through it"
+    if found.size != entry.size:
+        return f"has {found.size} bytes, the manifest says {entry.size} (truncated or replaced)"
+    return None
+
+
+def _checksum_problem(storage: Storage, rel: str, entry: FileEntry, on_bytes: OnBytes | None) -> str | None:
+    def counted() -> Iterable[bytes]:
+        for chunk in storage.iter_chunks(rel):
+            if on_bytes is not None:
+                on_bytes(len(chunk))
+            yield chunk
+
+    return None if crc.matches(entry.checksum, counted()) else "does not match its checksum (corrupted)"
+
+
+# -- deleting and setting aside ----------------------------------------------------------------
+def delete_step(storage: Storage, step: int, *, before_write: bool = False) -> bool:
+    """Delete one step directory: its manifest first (a crash halfway leaves garbage, never a broken
+    commit), then every other file its own listing holds, by its literal name, then the empty directory;
+    returns whether it is gone. Nothing is expanded as a pattern and no symbolic link is followed, even one
+    swapped in for the directory after it was listed (see ``Storage.delete_directory``); a subdirectory
+    (never ours) is left alone. ``before_write`` (a save about to write this step): a symbolic link planted in
+    the step directory's place is removed itself, so that the save never writes through it."""
+    return storage.delete_directory(step_dir(step), first=MANIFEST, unlink_link=before_write)
+
+
+def quarantine(storage: Storage, steps: Iterable[int]) -> None:
+    """Rename the manifests of ``steps`` to ``manifest.json.skipped``: they no longer count as commits. Never
+    through a symbolic link, even one swapped in for the step directory since it was checked (see
+    ``Storage.rename``): such a step is left as it is, with a warning."""
+    for step in steps:
+        rel = f"{step_dir(step)}/{MANIFEST}"
+        try:
+            storage.rename(rel, rel + SKIPPED_SUFFIX)
+        except StorageNotFoundError:
+            continue
+        except CheckpointCorruptError as e:
+            log.warning("left %s as it is: %s", storage.url_of(rel), e)

@@ -1,0 +1,1 @@
+"""Participants of frameworks the core does not name (DeepSpeed)."""

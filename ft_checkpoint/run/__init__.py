@@ -1,0 +1,1 @@
+"""Run bookkeeping: the lease, the journal, retention, preemption, Slurm, process groups."""

@@ -1,0 +1,493 @@
+"""One writer per checkpoint directory: a lease with the owner's identity and a heartbeat.
+
+Two jobs saving into the same ``dirpath`` would delete each other's steps (retention) and interleave
+their journals. The first job writes ``lease.json`` (attempt, host, pid, job id, launcher restart
+counters, heartbeat) and refreshes the heartbeat from a background thread.
+
+**Takeover.** Another job refuses to start, with an error that names the owner, unless:
+
+- the lease is this attempt's own, or this very process's (an earlier manager that could not release it);
+- the owner ran on this host and its process is gone (a crashed run started again);
+- its heartbeat is older than ``timeout``: a crashed or hung job elsewhere;
+- its heartbeat lies more than :data:`CLOCK_SKEW` (60 s) in the future: a wrong clock or a forged lease
+  (a lease of year 2100 would otherwise be a lock forever);
+- the owner is an earlier start of the same launcher job (``FT_CHECKPOINT_RUN_ID``,
+  ``TORCHELASTIC_RUN_ID`` or ``SLURM_JOB_ID``) and the launcher counts this start as a later restart
+  (``SLURM_RESTART_COUNT``, then ``TORCHELASTIC_RESTART_COUNT``, higher than recorded): a launcher
+  restarts a job only after its old process group is gone. An equal job id alone proves nothing, and a
+  placeholder never counts as an id: ``torchrun`` without ``--rdzv-id`` sets ``TORCHELASTIC_RUN_ID=none``
+  for every job;
+- the user forces it (``force_takeover=True``).
+
+**Fencing.** A job whose heartbeat went stale (a hung process, a storage outage) may have been taken
+over. Its heartbeat thread checks that the lease is still its own before every refresh; if it is not,
+the thread stops, :attr:`Lease.lost` becomes True and a warning is logged once, and
+:meth:`Lease.check_owned` raises :class:`LeaseError`: the job must stop saving and deleting. How the
+check is made depends on the store:
+
+- S3: every write is conditional on the ETag of this attempt's previous write (``If-Match``; a new lease
+  is created with ``If-None-Match: *``). A takeover between the check and the write makes the write
+  fail instead of overwriting the new owner: no race.
+- local disk, ``memory://``, GCS and the rest: read, compare the attempt, write. A takeover that lands
+  in the milliseconds between the read and the write is overwritten; the new owner then finds the old
+  owner's lease at its own next check (its next heartbeat, or the check before its next commit) and
+  stops, so one of the two keeps writing. (GCS could fence with ``ifGenerationMatch``, but gcsfs
+  2026.10 passes no precondition but ``ifGenerationMatch=0`` on writes, and the GCS emulator the tests
+  run against ignores preconditions altogether, so that path could not be tested.)
+
+:meth:`Lease.release` removes ``lease.json`` only if it still names this attempt (read, compare, delete
+on every store), and never after the lease was lost.
+
+**Garbage.** A ``lease.json`` that is not a JSON object, has fields of the wrong type or a heartbeat that
+is not a finite number, is larger than ``jsonfile.MAX_BYTES`` (1 MiB), or is no regular file at all (a
+FIFO, a directory, a symbolic link: never opened for reading, never followed) is never a crash and never
+blocks a read: a warning names the file and what is wrong. Such a lease blocks like a live owner's while
+the file is recent (modified within ``timeout``): it may be the lease of a live job of another version, or
+a live owner's write read half-done on a file system without atomic writes. Once the file is older than
+``timeout`` (or modified more than :data:`CLOCK_SKEW` in the future) nobody is refreshing it, and it is
+taken over. ``force_takeover=True`` takes it at once (a directory in its place is moved aside, never
+deleted); where the store reports no modification time, only that does. Refusals are always a
+:class:`LeaseError` with a HINT.
+
+Example:
+    >>> from ft_checkpoint.store.storage import Storage
+    >>> s = Storage("memory://doc/lease")
+    >>> a = Lease(s, attempt="a")
+    >>> a.owner["host"] = "elsewhere"   # as if a job on another host held it
+    >>> a.acquire()
+    >>> try:
+    ...     Lease(s, attempt="b").acquire()
+    ... except LeaseError as e:
+    ...     print("refused:", "another job is writing checkpoints" in str(e))
+    refused: True
+    >>> a.check_owned(); a.lost
+    False
+    >>> a.release()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import math
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+from ft_checkpoint.errors import CheckpointCorruptError, LeaseError, StorageError, StorageNotFoundError
+from ft_checkpoint.store import jsonfile
+from ft_checkpoint.store.storage import Entry, Storage
+
+log = logging.getLogger(__name__)
+LEASE = "lease.json"
+_JOB_ENV = ("FT_CHECKPOINT_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
+_RESTART_ENV = ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
+"""Launcher restart counters, outermost launcher first (Slurm requeues torchrun, not the reverse)."""
+PLACEHOLDER_IDS = frozenset({"", "none", "null", "nil", "undefined", "unknown", "default", "n/a", "-", "0"})
+"""Values of a job id variable that identify no job (torchrun's default ``--rdzv-id`` is ``none``)."""
+CLOCK_SKEW = 60.0
+"""Seconds a heartbeat or a modification time may lie ahead of this host's clock (the clocks of two hosts differ):
+further in the future, the lease is stale, taken over like one whose heartbeat is older than the timeout."""
+_MAX_PID = 2**31 - 1
+_PRECONDITION_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict"})
+
+
+def job_id() -> str | None:
+    """This job's identity across restarts, from the launcher's environment (None if unknown).
+
+    Example:
+        >>> os.environ["TORCHELASTIC_RUN_ID"] = "none"     # torchrun without --rdzv-id: no identity
+        >>> job_id() is None or not job_id().startswith("TORCHELASTIC_RUN_ID")
+        True
+        >>> del os.environ["TORCHELASTIC_RUN_ID"]
+    """
+    for name in _JOB_ENV:
+        value = os.environ.get(name, "")
+        if not is_placeholder(value):
+            return f"{name}={value}"
+    return None
+
+
+def is_placeholder(value: str) -> bool:
+    """Whether a job id value identifies no job (``none``, empty, ...)."""
+    return value.strip().lower() in PLACEHOLDER_IDS
+
+
+def launcher_restarts() -> dict[str, int]:
+    """The launcher's restart counters of this start (``SLURM_RESTART_COUNT``, ``TORCHELASTIC_RESTART_COUNT``)."""
+    env = {name: os.environ.get(name, "").strip() for name in _RESTART_ENV}
+    return {name: int(v) for name, v in env.items() if v.isascii() and v.isdigit() and len(v) < 10}
+
+
+def _later_restart(mine: dict[str, int], theirs: dict[str, int]) -> bool:
+    """Whether the launcher counts ``mine`` as a later restart than ``theirs`` (counters both know)."""
+    common = [name for name in _RESTART_ENV if name in mine and name in theirs]
+    return bool(common) and tuple(mine[n] for n in common) > tuple(theirs[n] for n in common)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def parse_lease(data: bytes) -> dict[str, Any]:
+    """The owner recorded in a ``lease.json``; ValueError naming what is wrong with it. A heartbeat from the
+    future parses: :class:`Lease` judges it (see :data:`CLOCK_SKEW`).
+
+    Example:
+        >>> parse_lease(b'{"attempt": "a", "host": "h", "pid": "x", "heartbeat": 0}')
+        Traceback (most recent call last):
+        ValueError: pid='x': expected an integer
+    """
+    obj = jsonfile.load_object(data)
+    record: dict[str, Any] = {"attempt": jsonfile.get_str(obj, "attempt"), "host": jsonfile.get_str(obj, "host"),
+              "pid": jsonfile.get_int(obj, "pid", minimum=1, maximum=_MAX_PID),
+              "job": jsonfile.get_str(obj, "job", optional=True), "restarts": _parse_restarts(obj.get("restarts")),
+              "heartbeat": jsonfile.get_number(obj, "heartbeat")}
+    if record["job"] is not None and is_placeholder(record["job"].partition("=")[2]):
+        record["job"] = None  # written by a version that took "none" for an id
+    return record
+
+
+def _parse_restarts(value: Any) -> dict[str, int]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(k in _RESTART_ENV and jsonfile.is_int(v) for k, v in value.items()):
+        raise ValueError(f"restarts={jsonfile.short(value)}: expected an object of launcher restart counters")
+    return dict(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Seen:
+    """What ``lease.json`` held when read."""
+
+    exists: bool
+    record: dict[str, Any] | None = None
+    """The owner, when the file parsed."""
+    problem: str | None = None
+    """Why the file did not parse."""
+    etag: str | None = None
+    """The object's ETag (S3 only)."""
+
+
+class Lease:
+    """The lease of one attempt on one directory.
+
+    Args:
+        storage: The checkpoint directory.
+        attempt: This attempt's id (the journal's).
+        timeout: A heartbeat older than this (seconds) is stale: its job may be taken over.
+        refresh: Seconds between heartbeats; well below ``timeout``.
+    """
+
+    def __init__(self, storage: Storage, *, attempt: str, timeout: float = 120.0, refresh: float = 20.0) -> None:
+        if not (jsonfile.is_number(timeout) and timeout >= 0 and jsonfile.is_number(refresh) and refresh > 0):
+            raise ValueError(f"lease timeout={timeout!r}, refresh={refresh!r}: expected finite seconds, refresh > 0")
+        self.storage = storage
+        self.timeout = float(timeout)
+        self.refresh = float(refresh)
+        self.owner: dict[str, Any] = {"attempt": attempt, "host": socket.gethostname(), "pid": os.getpid(),
+                                      "job": job_id(), "restarts": launcher_restarts()}
+        protocols = {storage.fs.protocol} if isinstance(storage.fs.protocol, str) else set(storage.fs.protocol)
+        self.fencing = "etag" if protocols & {"s3", "s3a"} else "read-compare-write"
+        """How a heartbeat makes sure it overwrites only its own lease (see the module docstring)."""
+        self._etag: str | None = None
+        self._lost: str | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return self.storage.url_of(LEASE)
+
+    @property
+    def lost(self) -> bool:
+        """Another job took this lease over: this one must stop writing to the directory."""
+        return self._lost is not None
+
+    # -- public --------------------------------------------------------------------------------
+    def acquire(self, *, force: bool = False) -> None:
+        """Take the lease, or raise LeaseError naming the job that holds it."""
+        seen = self._read()
+        if seen.exists and not force:
+            reason = self._takeover_reason(seen)
+            if reason is None:
+                raise LeaseError(self._refusal(seen))
+            log.info("taking over the checkpoint lease %s: %s", self.url, reason)
+        elif seen.exists:
+            log.warning("taking over the checkpoint lease %s by force (held by %s)", self.url, _describe(seen))
+        self._claim(seen)
+        if not self._mine(self._read()):
+            raise LeaseError(f"another job took the checkpoint lease {self.url} at the same moment. HINT: give "
+                             "each job its own dirpath")
+        self._thread = threading.Thread(target=self._beat, name="ft-checkpoint-lease", daemon=True)
+        self._thread.start()
+
+    def check_owned(self) -> None:
+        """Raise LeaseError if another job took this lease over (reads ``lease.json``); sets :attr:`lost`.
+
+        Call it before each commit and each deletion: a job that lost its lease must stop writing.
+
+        Raises:
+            LeaseError: the lease is another job's now, or was removed, or this attempt never held it.
+            StorageError: ``lease.json`` could not be read.
+        """
+        if self._thread is None:
+            raise LeaseError(f"this job never acquired the checkpoint lease {self.url}. HINT: call acquire() first")
+        if self._lost is None:
+            seen = self._read()
+            if not self._mine(seen):
+                self._lose(seen)
+        if self._lost is not None:
+            raise LeaseError(self._lost)
+
+    def release(self) -> None:
+        """Stop the heartbeat and remove the lease if it is still ours."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._lost is not None or self._thread is None:
+            return
+        try:
+            if self._mine(self._read()):
+                self.storage.delete_file(LEASE)
+        except StorageError as e:
+            log.warning("could not release the checkpoint lease: %s", e)
+
+    # -- deciding ------------------------------------------------------------------------------
+    def _mine(self, seen: _Seen) -> bool:
+        return seen.record is not None and seen.record["attempt"] == self.owner["attempt"]
+
+    def _takeover_reason(self, seen: _Seen) -> str | None:
+        """Why the lease in ``seen`` may be taken over without force, or None if it may not."""
+        if seen.record is None:
+            age = self._file_age()
+            if age is not None and age < -CLOCK_SKEW:
+                return f"unreadable, and its modification time {_from_the_future(age)}"
+            return None if age is None or age <= self.timeout else f"unreadable and not rewritten for {age:.0f} s"
+        current, me = seen.record, self.owner
+        age = time.time() - current["heartbeat"]
+        if current["attempt"] == me["attempt"]:
+            return "it is this attempt's own"
+        if age > self.timeout:
+            return f"its heartbeat is {age:.0f} s old"
+        if age < -CLOCK_SKEW:
+            return f"its heartbeat {_from_the_future(age)}"
+        if current["host"] == me["host"] and current["pid"] == me["pid"]:
+            return "it is this process's own"
+        if current["host"] == me["host"] and not _pid_alive(current["pid"]):
+            return f"its process {current['pid']} on this host is gone"
+        if me["job"] is not None and current["job"] == me["job"] and _later_restart(me["restarts"], current["restarts"]):
+            return f"the launcher restarted job {me['job']} ({me['restarts']} after {current['restarts']})"
+        return None
+
+    def _refusal(self, seen: _Seen) -> str:
+        force = "pass force_takeover=True (FT_CHECKPOINT_FORCE_TAKEOVER=1) if it is dead"
+        if seen.record is None:
+            age = self._file_age()
+            when = "at an unknown time" if age is None else _ago(age)
+            return (f"{self.url} is unreadable ({seen.problem}) and was written {when}: another job may be "
+                    f"writing checkpoints to {self.storage.url}. HINT: if no other job uses this directory, "
+                    f"{force}" + ("" if age is None else f"; it is taken over by itself once it is older than "
+                                                         f"{self.timeout:.0f} s"))
+        age = time.time() - seen.record["heartbeat"]
+        return (f"another job is writing checkpoints to {self.storage.url}: {_describe(seen)}, last heartbeat "
+                f"{_ago(age)}. Two writers would delete each other's checkpoints. HINT: give this job its own "
+                f"dirpath, or wait for that job to end (its lease expires {self.timeout:.0f} s after its last "
+                f"heartbeat), or {force}")
+
+    def _lose(self, seen: _Seen) -> None:
+        """Record (once) that the lease is no longer ours, and say so."""
+        with self._lock:
+            if self._lost is not None:
+                return
+            now = "was removed" if not seen.exists else f"now holds {_describe(seen)}"
+            self._lost = (
+                f"this job lost the checkpoint lease of {self.storage.url}: {LEASE} {now}. Another job took the "
+                "directory over, most likely because this job's heartbeat was not refreshed for "
+                f"{self.timeout:.0f} s (a hung process or a storage outage). This job stops saving and deleting "
+                "there: two writers would delete each other's checkpoints. HINT: give each job its own dirpath; "
+                "restart this one only once the other has ended (or with force_takeover=True if it is dead)")
+        log.warning("%s", self._lost)
+
+    # -- heartbeat -----------------------------------------------------------------------------
+    def _beat(self) -> None:
+        while not self._stop.wait(self.refresh):
+            try:
+                if not self._refresh():
+                    return
+            except StorageError as e:
+                log.warning("could not refresh the checkpoint lease %s: %s", self.url, e)
+            except Exception:  # never let the heartbeat die silently
+                log.warning("could not refresh the checkpoint lease %s", self.url, exc_info=True)
+
+    def _refresh(self) -> bool:
+        """One heartbeat, written only over this attempt's own lease; False once the lease is lost."""
+        if self._etag is not None:
+            try:
+                self._put(if_match=self._etag)
+                return True
+            except _Changed:
+                pass  # someone else wrote, or our own retried write landed: look
+        seen = self._read()
+        if not self._mine(seen):
+            self._lose(seen)
+            return False
+        if self._etag is not None and seen.etag is not None:
+            self._etag = seen.etag  # the retried write of ours had landed: fence on it
+            return True
+        self._put()
+        return True
+
+    # -- storage -------------------------------------------------------------------------------
+    def _body(self) -> bytes:
+        return json.dumps({**self.owner, "heartbeat": time.time()}).encode()
+
+    def _claim(self, seen: _Seen) -> None:
+        """Write our lease over ``seen``: on S3 only if the object is still what was read."""
+        if seen.exists and seen.record is None:
+            self._make_way()
+        if self.fencing != "etag":
+            self._put()
+            return
+        try:
+            if seen.etag is not None:
+                self._put(if_match=seen.etag)
+            else:
+                self._put(if_none_match=True)
+        except _Changed:
+            raise LeaseError(f"{self.url} changed while this job was taking it over: another job started at the "
+                             "same moment. HINT: give each job its own dirpath") from None
+
+    def _make_way(self) -> None:
+        """A directory named ``lease.json`` cannot be written over: move it aside (it is not ours to delete).
+        Anything else in its place (a FIFO, a symbolic link) is replaced by the write itself, never followed."""
+        if self.storage.entries("").get(LEASE, Entry("file", 0)).kind == "directory":
+            aside = f"{LEASE}.{uuid.uuid4().hex[:8]}.not-a-lease"
+            self.storage.rename(LEASE, aside)
+            log.warning("moved the directory %s aside to %s: the lease must be a file", self.url,
+                        self.storage.url_of(aside))
+
+    def _put(self, *, if_match: str | None = None, if_none_match: bool = False) -> None:
+        """Write our lease; with a condition (S3), raise _Changed if it does not hold."""
+        if self.fencing != "etag":  # a takeover may replace it at once: no check of the store's CRC (see write_bytes)
+            self.storage.write_bytes(LEASE, self._body(), check_stored=False)
+            return
+        cond = {"IfMatch": if_match} if if_match else {"IfNoneMatch": "*"} if if_none_match else {}
+        path = self.storage.path(LEASE)
+        try:
+            out = self.storage.retrying("write", self.url, self.storage.fs.pipe_file, path, self._body(), **cond)
+        except Exception as e:
+            if cond and (_precondition_failed(e) or _not_found(e)):
+                raise _Changed() from e
+            raise StorageError(f"write {self.url}: {type(e).__name__}: {e}") from e
+        etag = out.get("ETag") if isinstance(out, dict) else None
+        if etag is None:  # a store that gives no ETag: fence by reading, as elsewhere
+            self.fencing = "read-compare-write"
+        self._etag = etag
+
+    def _read(self) -> _Seen:
+        """What ``lease.json`` holds now; a file that does not parse is logged and described, never raised."""
+        etag = None
+        try:
+            if self.fencing == "etag":
+                self.storage.fs.invalidate_cache(self.storage.path(LEASE))
+                etag = self.storage.retrying("check", self.url, self.storage.fs.info, self.storage.path(LEASE))["ETag"]
+            data = self.storage.read_control(LEASE, max_bytes=jsonfile.MAX_BYTES)  # never a FIFO, a link, a directory
+        except StorageNotFoundError:
+            return _Seen(exists=False)
+        except CheckpointCorruptError as e:
+            return self._unreadable(e, etag)
+        except StorageError:
+            raise
+        except Exception as e:
+            if _not_found(e):
+                return _Seen(exists=False)
+            raise StorageError(f"read {self.url}: {type(e).__name__}: {e}") from e
+        try:
+            record = parse_lease(data)
+        except ValueError as e:
+            return self._unreadable(e, etag)
+        return _Seen(exists=True, record=record, etag=etag)
+
+    def _unreadable(self, problem: ValueError, etag: str | None) -> _Seen:
+        log.warning("the checkpoint lease %s is unreadable: %s", self.url, problem)
+        return _Seen(exists=True, problem=str(problem), etag=etag)
+
+    def _file_age(self) -> float | None:
+        """Seconds since ``lease.json`` was last written, from the store's modification time (None if unknown;
+        negative if it lies in the future); on local disk that of the name itself, never of a link's target."""
+        path = self.storage.path(LEASE)
+        try:
+            if self.storage.is_local:
+                return time.time() - os.lstat(path).st_mtime
+            modified = self.storage.fs.modified(path)
+        except Exception:  # not implemented by this filesystem, or gone
+            return None
+        if not isinstance(modified, datetime.datetime):
+            return None
+        if modified.tzinfo is None:
+            modified = modified.replace(tzinfo=datetime.timezone.utc)
+        age = time.time() - modified.timestamp()
+        return age if math.isfinite(age) else None
+
+
+def _ago(age: float) -> str:
+    """``'12 s ago'``, or for a time ahead of this host's clock (within :data:`CLOCK_SKEW`) ``'12 s in the future'``."""
+    return f"{age:.0f} s ago" if age >= 0 else f"{-age:.0f} s in the future (clock skew between hosts)"
+
+
+def _from_the_future(age: float) -> str:
+    return (f"lies {-age:.0f} s in the future, beyond the clock-skew tolerance of {CLOCK_SKEW:.0f} s: stale (a wrong "
+            "clock or a forged lease; no live job refreshes a lease from the future)")
+
+
+class _Changed(Exception):
+    """A conditional write found the object changed (or gone) since this attempt last saw it."""
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    out, seen = [], set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        out.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return out
+
+
+def _precondition_failed(e: BaseException) -> bool:
+    """Whether ``e`` says an S3 ``If-Match``/``If-None-Match`` did not hold (412, or 409 on a race)."""
+    for c in _chain(e):
+        if isinstance(c, FileExistsError):
+            return True
+        response = getattr(c, "response", None)
+        if isinstance(response, dict):
+            error = response.get("Error") or {}
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if error.get("Code") in _PRECONDITION_CODES or status in (409, 412):
+                return True
+    return False
+
+
+def _not_found(e: BaseException) -> bool:
+    return any(isinstance(c, FileNotFoundError) for c in _chain(e))
+
+
+def _describe(seen: _Seen) -> str:
+    if seen.record is None:
+        return f"something unreadable ({seen.problem})"
+    lease = seen.record
+    job = f", job {lease['job']}" if lease.get("job") else ""
+    return f"host {lease['host']} pid {lease['pid']} (attempt {lease['attempt']}{job})"

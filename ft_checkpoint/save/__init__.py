@@ -1,0 +1,1 @@
+"""The save path: staging, the background writers, the commit."""
