@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.2.0.dev0"
+from ft_checkpoint._version import __version__
 
 _EXPORTS = {
     "CheckpointManager": "ft_checkpoint.manager",

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ft_checkpoint.errors import ConfigError
-from ft_checkpoint.format import signing
+from ft_checkpoint.format import layout, signing
 from ft_checkpoint.store.jsonfile import is_int, is_number
 from ft_checkpoint.units import parse_duration, parse_signal, short
 
@@ -357,7 +357,7 @@ def _check_path_or_name(*, key_file: bool) -> Callable[[str, Any], Any]:
     def check(field: str, value: Any) -> str | None:
         if value is None:
             return None
-        if not isinstance(value, str) or not value.strip() or "\x00" in value or len(value) > signing.MAX_RUN_NAME:
+        if not isinstance(value, str) or not value.strip() or "\x00" in value or len(value) > layout.MAX_RUN_NAME:
             _bad(field, value, "a non-empty text without NUL, at most 4096 characters")
         if key_file:
             signing.read_key_file(field, value)  # readable, a regular file, a key of the right length

@@ -76,3 +76,7 @@ class Preempted(SystemExit):
 class StateMismatchError(ConfigError):
     """A checkpoint does not fit the state it is loaded into (a key missing, another shape or dtype), or a
     state cannot be saved as given (a tensor declared replicated differs across ranks)."""
+
+
+class UsageError(Exception):
+    """Wrong or impossible arguments of an ``ft-checkpoint`` command: printed as an error, exit code 2."""

@@ -34,15 +34,8 @@ from ft_checkpoint.load.resume import check_for_resume, refuse_older_step, resum
 from ft_checkpoint.policies.adaptive.policy import AdaptiveInterval
 from ft_checkpoint.policies.adaptive.tier_policy import multilevel_for
 from ft_checkpoint.policies.cost import CostMeter
-from ft_checkpoint.policies.policy import (
-    OnPreemption,
-    SaveContext,
-    SavePolicy,
-    describe_policy,
-    find_policy,
-    policy_from_interval,
-    policy_metrics,
-)
+from ft_checkpoint.policies.interval import describe_policy, policy_from_interval, policy_metrics
+from ft_checkpoint.policies.policy import OnPreemption, SaveContext, SavePolicy, find_policy
 from ft_checkpoint.run.dist import Groups, peer_lost, short_error
 from ft_checkpoint.run.journal import Journal, attempt_summaries
 from ft_checkpoint.run.lease import Lease

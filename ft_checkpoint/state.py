@@ -20,6 +20,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
+import importlib.util
 import random
 import zlib
 from collections import OrderedDict
@@ -84,14 +87,34 @@ def is_files_participant(obj: Any) -> bool:
     return callable(getattr(obj, "stage_files", None)) and callable(getattr(obj, "load_files", None))
 
 
-def is_deepspeed_engine(obj: Any) -> bool:
-    """Whether ``obj`` is a DeepSpeed engine (checked by class name: DeepSpeed is not imported here).
+INTEGRATIONS = "ft_checkpoint.integrations"
+"""Where the integration of a framework whose objects save themselves as files lives, as a module named after the
+framework's top-level package (``ft_checkpoint.integrations.deepspeed``): the core names no framework."""
+
+
+def integration_for(obj: Any) -> Any | None:
+    """The integration that wraps ``obj`` in a files participant: the module of :data:`INTEGRATIONS` named after
+    the package of one of its classes, if there is one and its ``is_participant(obj)`` says so. It offers
+    ``participant(obj, key=..., several=...)``.
 
     Example:
-        >>> is_deepspeed_engine(torch.nn.Linear(1, 1))
-        False
+        >>> integration_for(torch.nn.Linear(1, 1)) is None
+        True
     """
-    return any(c.__name__ == "DeepSpeedEngine" and c.__module__.startswith("deepspeed.") for c in type(obj).__mro__)
+    for cls in type(obj).__mro__:
+        integration = _integration(cls.__module__.partition(".")[0])
+        if integration is not None and integration.is_participant(obj):
+            return integration
+    return None
+
+
+@functools.cache
+def _integration(package: str) -> Any | None:
+    name = f"{INTEGRATIONS}.{package}"
+    try:
+        return importlib.import_module(name) if importlib.util.find_spec(name) is not None else None
+    except (ImportError, ValueError):  # not a module name
+        return None
 
 
 def split_participants(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -101,9 +124,9 @@ def split_participants(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[s
 
 
 class Participants:
-    """Splits a state into its plain part and its files participants, wrapping each DeepSpeed engine in a
-    :class:`~ft_checkpoint.integrations.deepspeed.DeepSpeedState`, the same wrapper at every save (it keeps its staging
-    buffers); with several engines in one state, each one's files are prefixed by its key.
+    """Splits a state into its plain part and its files participants, wrapping each object of a framework that
+    saves itself as files (a DeepSpeed engine) by its integration (see :func:`integration_for`), the same
+    wrapper at every save (it keeps its staging buffers); with several in one state, each is told so.
 
     Example:
         >>> plain, parts = Participants().split({"model": torch.nn.Linear(1, 1), "step": 3})
@@ -112,20 +135,18 @@ class Participants:
     """
 
     def __init__(self) -> None:
-        self._wrapped: dict[str, Any] = {}
+        self._wrapped: dict[str, tuple[Any, Any]] = {}
 
     def split(self, state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(the rest of state, its files participants)``, by key."""
         plain, participants = split_participants(state)
-        engines = [k for k, v in plain.items() if is_deepspeed_engine(v)]
-        for key in engines:
-            engine = plain.pop(key)
-            wrapped = self._wrapped.get(key)
-            if wrapped is None or wrapped.engine is not engine:
-                from ft_checkpoint.integrations.deepspeed import DeepSpeedState  # DeepSpeed is an optional extra
-
-                wrapped = self._wrapped[key] = DeepSpeedState(engine, prefix="" if len(engines) == 1 else f"{key}.")
-            participants[key] = wrapped
+        found = {key: integration for key, value in plain.items() if (integration := integration_for(value)) is not None}
+        for key, integration in found.items():
+            obj = plain.pop(key)
+            kept = self._wrapped.get(key)
+            if kept is None or kept[0] is not obj:
+                kept = self._wrapped[key] = (obj, integration.participant(obj, key=key, several=len(found) > 1))
+            participants[key] = kept[1]
         return plain, participants
 
 

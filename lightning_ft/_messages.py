@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from ft_checkpoint.units import every, human_seconds
+from ft_checkpoint.policies import interval
+from ft_checkpoint.units import human_seconds
 from lightning_ft import _lightning_internals as internals
 
 if TYPE_CHECKING:
@@ -55,20 +56,7 @@ def announce_no_save(trainer: pl.Trainer, manager: CheckpointManager, *, seconds
 
 def next_save(manager: CheckpointManager, step: int, *, first: bool) -> str:
     """When ``manager``'s policy saves next after ``step``, in words (for the adaptive interval: as planned now)."""
-    which, metrics = "first save" if first else "next save", manager.metrics()
-    if "interval_steps" in metrics:
-        n = int(metrics["interval_steps"])
-        return f"{which} at step {(step // n + 1) * n} ({every(n, 'step')})"
-    if manager.adaptive is not None:
-        guess = " (a guess until a save measures it)" if manager.adaptive.cost is None else ""
-        return (f"{which} due in about {human_seconds(metrics['interval_s'])} (adaptive interval, planned for a save "
-                f"cost of {human_seconds(metrics['cost_s'])}{guess} and an MTBF of {human_seconds(metrics['mtbf_s'])}; "
-                f"a run that fails sooner has nothing to resume from: pass interval=<steps> or a duration such as "
-                f"'10m' for short runs)")
-    if "interval_s" in metrics:
-        period = human_seconds(metrics["interval_s"])
-        return f"{which} due in {period} (every {period})"
-    return f"saves when {manager.policy!r} says so"
+    return interval.next_save(manager.policy, manager.metrics(), step, first=first)
 
 
 def warn_world_size(trainer: pl.Trainer, saved: int | None, skip: int) -> None:

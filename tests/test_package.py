@@ -11,12 +11,12 @@ import subprocess
 import sys
 
 import ft_checkpoint
-from ft_checkpoint.policies.policy import describe_policy, policy_from_interval
+from ft_checkpoint.policies.interval import describe_policy, policy_from_interval
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INTERNALS = {"CheckpointEngine": "ft_checkpoint.save.engine", "SaveContext": "ft_checkpoint.policies.policy",
-             "Journal": "ft_checkpoint.run.journal", "Storage": "ft_checkpoint.store.storage", "Manifest": "ft_checkpoint.format.layout",
-             "apply_retention": "ft_checkpoint.run.retention"}
+             "Journal": "ft_checkpoint.run.journal", "Storage": "ft_checkpoint.store.storage",
+             "Manifest": "ft_checkpoint.format.layout", "apply_retention": "ft_checkpoint.run.retention"}
 
 
 def readme() -> str:

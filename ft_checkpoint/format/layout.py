@@ -35,10 +35,9 @@ import math
 import re
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from ft_checkpoint.errors import CheckpointCorruptError, SignatureError, StorageNotFoundError
-from ft_checkpoint.format import signing
 from ft_checkpoint.store import checksum as crc
 from ft_checkpoint.store.jsonfile import is_int
 from ft_checkpoint.store.storage import Storage
@@ -107,6 +106,29 @@ class FileEntry:
 
     size: int
     checksum: str
+
+
+SIGNATURE_ALGORITHM = "hmac-sha256"
+"""The algorithm of a manifest's ``signature`` (see :mod:`ft_checkpoint.format.signing`)."""
+MAX_RUN_NAME = 4096
+"""The longest run name a signature may name."""
+_HEX_RE = re.compile(r"[0-9a-f]+", re.ASCII)
+
+
+def is_signature(value: Any) -> bool:
+    """Whether ``value`` has the shape of a manifest's ``signature`` field (not whether it verifies).
+
+    Example:
+        >>> is_signature({"alg": "hmac-sha256", "run": "r", "key_id": "0" * 16, "mac": "0" * 64}), is_signature({})
+        (True, False)
+    """
+    return (isinstance(value, dict) and set(value) == {"alg", "run", "key_id", "mac"} and value["alg"] == SIGNATURE_ALGORITHM
+            and isinstance(value["run"], str) and 0 < len(value["run"]) <= MAX_RUN_NAME
+            and _is_hex(value["key_id"], 16) and _is_hex(value["mac"], 64))
+
+
+def _is_hex(value: Any, length: int) -> bool:
+    return isinstance(value, str) and len(value) == length and bool(_HEX_RE.fullmatch(value))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -202,7 +224,7 @@ def _checked_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
                      "an object of strings"),
         "metadata": (lambda v: isinstance(v, dict), "an object"),
         "files": (lambda v: isinstance(v, dict), "an object of file entries"),
-        "signature": (lambda v: v is None or signing.is_signature(v),
+        "signature": (lambda v: v is None or is_signature(v),
                       'null or {"alg": "hmac-sha256", "run": <str>, "key_id": <16 hex>, "mac": <64 hex>}'),
     }
     for field, (ok, expected) in checks.items():
@@ -245,7 +267,14 @@ def list_steps(storage: Storage) -> dict[int, bool]:
     return steps
 
 
-def read_manifest(storage: Storage, step: int, *, signer: signing.Signer | None = None) -> Manifest:
+class SignatureCheck(Protocol):
+    """What checks a manifest's signature for this run (a :class:`~ft_checkpoint.format.signing.Signer`)."""
+
+    def check(self, manifest: Manifest, step: int) -> None:
+        """Raise SignatureError unless ``manifest`` is signed for this run and ``step``."""
+
+
+def read_manifest(storage: Storage, step: int, *, signer: SignatureCheck | None = None) -> Manifest:
     """Read and parse the manifest of ``step``; CheckpointCorruptError if missing or invalid, and with a
     ``signer``, SignatureError if it is unsigned or its signature does not verify for this run and step."""
     rel = f"{step_dir(step)}/{MANIFEST}"
@@ -256,7 +285,7 @@ def read_manifest(storage: Storage, step: int, *, signer: signing.Signer | None 
     return check_manifest(Manifest.from_json(data, where=storage.url_of(rel)), step, signer=signer)
 
 
-def check_manifest(manifest: Manifest, step: int, *, signer: signing.Signer | None = None) -> Manifest:
+def check_manifest(manifest: Manifest, step: int, *, signer: SignatureCheck | None = None) -> Manifest:
     """``manifest`` if it is the one of ``step`` (and with a ``signer``, signed for this run and step): see
     :func:`read_manifest`, which reads it first."""
     if signer is not None:
@@ -362,7 +391,7 @@ OnBytes = Callable[[int], None]
 
 
 def check_step(storage: Storage, step: int, *, checksums: bool | Callable[[str], bool] = False,
-               on_bytes: OnBytes | None = None, signer: signing.Signer | None = None,
+               on_bytes: OnBytes | None = None, signer: SignatureCheck | None = None,
                manifest: Manifest | None = None) -> StepCheck:
     """Check a step: the manifest (with a ``signer``, its signature first: nothing else is looked at in a
     step it refuses), every file's size and kind, no file it does not list, and checksums (``True``: every

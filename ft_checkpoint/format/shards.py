@@ -63,9 +63,8 @@ from torch.futures import Future
 from ft_checkpoint.errors import CheckpointCorruptError, SaveError
 from ft_checkpoint.format import layout, tensor_metadata
 from ft_checkpoint.progress import Progress
-from ft_checkpoint.save.staging import Arena, padded
 from ft_checkpoint.store import checksum
-from ft_checkpoint.store.storage import IO_SLICE, Storage
+from ft_checkpoint.store.storage import IO_SLICE, Storage, padded
 
 log = logging.getLogger(__name__)
 DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in tensor_metadata.ITEMSIZE
@@ -125,6 +124,14 @@ class Sink(Protocol):
         """Make the directory entries in ``rel`` durable."""
 
 
+class Slots(Protocol):
+    """Host memory whose tensors start on page boundaries, each padded to whole pages (the save path's staging
+    arena): a tensor it holds is written whole, with ``O_DIRECT``."""
+
+    def contains(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is one of its page-aligned slots."""
+
+
 class ThreadSink:
     """Writes in this process, on the calling thread, at the nice value ``priority`` (per thread, on Linux)."""
 
@@ -166,7 +173,7 @@ class ShardWriter(StorageWriter):
     """
 
     def __init__(self, storage: Storage, rel: str, *, rank: int, writers: int = 1,
-                 sinks: list[Sink] | None = None, arena: Arena | None = None) -> None:
+                 sinks: list[Sink] | None = None, arena: Slots | None = None) -> None:
         super().__init__()
         self.storage, self.rel, self.rank, self.writers = storage, rel, rank, max(1, writers)
         self.sinks: list[Sink] = sinks or [ThreadSink(storage)]

@@ -37,42 +37,32 @@ import hashlib
 import hmac
 import json
 import os
-import re
 import stat
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ft_checkpoint.errors import ConfigError, SignatureError
+from ft_checkpoint.format.layout import SIGNATURE_ALGORITHM, Manifest
 from ft_checkpoint.units import short
 
-if TYPE_CHECKING:
-    from ft_checkpoint.config import CheckpointConfig
-    from ft_checkpoint.format.layout import Manifest
-
-ALGORITHM = "hmac-sha256"
 MIN_KEY_BYTES = 32
 """The shortest key taken (bytes): 32 hex digits or more, e.g. ``openssl rand -hex 32``."""
 MAX_KEY_BYTES = 4096
 """The longest key taken (bytes); a key file may hold this much, plus a line ending."""
-MAX_RUN_NAME = 4096
 _DOMAIN = "ft-checkpoint manifest signature v1"
-_HEX_RE = re.compile(r"[0-9a-f]+", re.ASCII)
 KEY_HINT = "HINT: make one with 'openssl rand -hex 32 > ~/.ft-checkpoint.key' (kept outside the checkpoint directory)"
 
 
-def is_signature(value: Any) -> bool:
-    """Whether ``value`` has the shape of a manifest's ``signature`` field (not whether it verifies).
+class KeySettings(Protocol):
+    """The settings a signer is made from (a :class:`~ft_checkpoint.config.CheckpointConfig` has them)."""
 
-    Example:
-        >>> is_signature({"alg": "hmac-sha256", "run": "r", "key_id": "0" * 16, "mac": "0" * 64}), is_signature({})
-        (True, False)
-    """
-    return (isinstance(value, dict) and set(value) == {"alg", "run", "key_id", "mac"} and value["alg"] == ALGORITHM
-            and isinstance(value["run"], str) and 0 < len(value["run"]) <= MAX_RUN_NAME
-            and _is_hex(value["key_id"], 16) and _is_hex(value["mac"], 64))
+    @property
+    def signing_key(self) -> str | None: ...
 
+    @property
+    def signing_key_file(self) -> str | None: ...
 
-def _is_hex(value: Any, length: int) -> bool:
-    return isinstance(value, str) and len(value) == length and bool(_HEX_RE.fullmatch(value))
+    @property
+    def run_name(self) -> str | None: ...
 
 
 def check_key_text(field: str, value: Any) -> bytes:
@@ -144,7 +134,7 @@ class Signer:
         return f"Signer(run={self.run!r}, key=<hidden>)"
 
     @classmethod
-    def from_config(cls, config: CheckpointConfig, url: str) -> Signer | None:
+    def from_config(cls, config: KeySettings, url: str) -> Signer | None:
         """The signer ``config`` asks for in the directory ``url`` (None without a key).
 
         Raises:
@@ -166,7 +156,8 @@ class Signer:
 
     def sign(self, manifest: Manifest) -> Manifest:
         """``manifest`` with its ``signature`` field set."""
-        signature = {"alg": ALGORITHM, "run": self.run, "key_id": self.key_id, "mac": self._mac(manifest, manifest.step)}
+        mac = self._mac(manifest, manifest.step)
+        signature = {"alg": SIGNATURE_ALGORITHM, "run": self.run, "key_id": self.key_id, "mac": mac}
         return dataclasses.replace(manifest, signature=signature)
 
     def check(self, manifest: Manifest, step: int) -> None:

@@ -172,6 +172,23 @@ class DeepSpeedState:
 
 
 # -- the checkpoint engine of ours ---------------------------------------------------------------------
+def is_participant(obj: Any) -> bool:
+    """Whether ``obj`` is a DeepSpeed engine, which the manager wraps by itself (see ``state.integration_for``;
+    checked by class name: DeepSpeed is not imported here).
+
+    Example:
+        >>> is_participant(torch.nn.Linear(1, 1))
+        False
+    """
+    return any(c.__name__ == "DeepSpeedEngine" and c.__module__.startswith("deepspeed.") for c in type(obj).__mro__)
+
+
+def participant(engine: Any, *, key: str, several: bool) -> DeepSpeedState:
+    """The wrapper of a bare engine found in a state under ``key``: with ``several`` engines in one state, the files
+    of each are prefixed by its key."""
+    return DeepSpeedState(engine, prefix=f"{key}." if several else "")
+
+
 class _Capture:
     """What one ``save_checkpoint`` hands to the checkpoint engine: ``{file name: state dict}`` (live tensors)."""
 

@@ -118,24 +118,6 @@ class OnPreemption(_Combinable):
         return "OnPreemption()"
 
 
-def policy_from_interval(interval: int | datetime.timedelta | str, **adaptive: Any) -> SavePolicy:
-    """The policy for a config's ``interval`` (always combined with :class:`OnPreemption`).
-
-    ``adaptive`` holds :class:`AdaptiveInterval`'s options, used when ``interval == "adaptive"``.
-
-    Example:
-        >>> policy_from_interval(500)
-        EveryNSteps(500) | OnPreemption()
-    """
-    if isinstance(interval, int):
-        return EveryNSteps(interval) | OnPreemption()
-    if interval == "adaptive":
-        from ft_checkpoint.policies.adaptive.policy import AdaptiveInterval  # it builds on EveryInterval, defined here
-
-        return AdaptiveInterval(**adaptive) | OnPreemption()
-    return EveryInterval(interval) | OnPreemption()
-
-
 def find_policy(policy: Any, kind: type) -> Any:
     """The first policy of type ``kind`` in ``policy`` (which may be an :class:`AnyOf`), or None.
 
@@ -149,46 +131,3 @@ def find_policy(policy: Any, kind: type) -> Any:
         if (found := find_policy(p, kind)) is not None:
             return found
     return None
-
-
-def describe_policy(policy: SavePolicy) -> str:
-    """When saves come, in words, for the line a run prints at its start.
-
-    Example:
-        >>> describe_policy(policy_from_interval("30m"))
-        'a save every 30 min'
-    """
-    from ft_checkpoint.policies.adaptive.policy import AdaptiveInterval
-    from ft_checkpoint.units import every, human_seconds
-
-    adaptive = find_policy(policy, AdaptiveInterval)
-    if adaptive is not None:
-        d = adaptive.last_decision
-        return (f"adaptive interval: the first save comes about {human_seconds(d['interval_s'])} in (save cost "
-                f"{'guessed' if adaptive.cost is None else 'measured'} {d['cost_s']:.3g} s, MTBF "
-                f"{human_seconds(d['mtbf_s'])}); a run that fails sooner has nothing to resume from (a clean end "
-                "and a preemption notice save). HINT: set interval= (steps or a duration) to choose")
-    fixed = find_policy(policy, EveryNSteps) or find_policy(policy, EveryInterval)
-    if isinstance(fixed, EveryNSteps):
-        return f"a save {every(fixed.n, 'step')}"
-    if isinstance(fixed, EveryInterval):
-        return f"a save every {human_seconds(fixed.seconds)}"
-    return f"saves when {policy!r} says so"
-
-
-def policy_metrics(policy: SavePolicy) -> dict[str, float]:
-    """The interval figures worth logging: the adaptive policy's last decision, or the fixed interval.
-
-    Example:
-        >>> policy_metrics(policy_from_interval(100))
-        {'interval_steps': 100.0}
-    """
-    from ft_checkpoint.policies.adaptive.policy import AdaptiveInterval
-
-    adaptive = find_policy(policy, AdaptiveInterval)
-    if adaptive is not None:
-        return dict(adaptive.last_decision)
-    fixed = find_policy(policy, EveryInterval) or find_policy(policy, EveryNSteps)
-    if isinstance(fixed, EveryInterval):
-        return {"interval_s": fixed.seconds}
-    return {"interval_steps": float(fixed.n)} if fixed is not None else {}

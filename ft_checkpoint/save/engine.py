@@ -114,7 +114,7 @@ class SaveListener(Protocol):
 
 def versions() -> dict[str, str]:
     """The versions a manifest records: ft-checkpoint, torch, Python."""
-    from ft_checkpoint import __version__
+    from ft_checkpoint._version import __version__
 
     return {"ft_checkpoint": __version__, "torch": torch.__version__, "python": platform.python_version()}
 

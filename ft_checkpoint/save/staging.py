@@ -30,9 +30,10 @@ from collections.abc import Collection, Mapping
 import torch
 
 from ft_checkpoint.format._dcp_internals import dtensor_like
+from ft_checkpoint.store.storage import DIRECT_ALIGN, padded
 
-ALIGN = 4096
-"""Every slot starts on, and is padded to, a page boundary: what ``O_DIRECT`` needs (``storage.DIRECT_ALIGN``)."""
+ALIGN = DIRECT_ALIGN
+"""Every slot starts on, and is padded to, a page boundary: what ``O_DIRECT`` needs."""
 
 
 class Arena:
@@ -78,11 +79,6 @@ class Arena:
         if self.fd is not None:  # the mapping outlives its file descriptor
             os.close(self.fd)
             self.fd = None
-
-
-def padded(nbytes: int) -> int:
-    """``nbytes`` rounded up to whole pages (a slot's size)."""
-    return -(-nbytes // ALIGN) * ALIGN
 
 
 def _register_pinned(t: torch.Tensor) -> None:

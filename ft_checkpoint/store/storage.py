@@ -64,6 +64,17 @@ IO_SLICE = 16 << 20
 """Bytes per write or read call and CRC update: large enough to amortize the call, small enough to stay in cache."""
 DIRECT_ALIGN = 4096
 """Alignment of ``O_DIRECT`` writes (address, length, file offset): the page size, a multiple of any block size."""
+
+
+def padded(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole :data:`DIRECT_ALIGN` pages (what an ``O_DIRECT`` write of them takes).
+
+    Example:
+        >>> padded(1), padded(4096), padded(0)
+        (4096, 4096, 0)
+    """
+    return -(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN
+
 PART_SIZE = 64 << 20
 """Object stores: bytes per request of a streamed upload (S3 multipart part, GCS resumable-upload chunk; a multiple
 of GCS's 256 KiB and of :data:`IO_SLICE`). gcsfs's default of 5 MiB sent every write as its own chunk, and the GCS

@@ -45,11 +45,12 @@ from ft_checkpoint.format import layout
 from ft_checkpoint.format.signing import Signer
 from ft_checkpoint.load.loading import OpenedStep, StepLoader
 from ft_checkpoint.policies.adaptive.policy import AdaptiveInterval
-from ft_checkpoint.policies.policy import SaveContext, SavePolicy, find_policy, policy_from_interval
+from ft_checkpoint.policies.interval import policy_from_interval
+from ft_checkpoint.policies.policy import SaveContext, SavePolicy, find_policy
 from ft_checkpoint.run.dist import Groups
 from ft_checkpoint.run.lease import job_id
-from ft_checkpoint.save.staging import padded
 from ft_checkpoint.state import merge_tree, split_tree
+from ft_checkpoint.store.storage import padded
 from ft_checkpoint.tiers import room, sources
 from ft_checkpoint.tiers.folder import FastFolder, clean_other_runs, run_key
 from ft_checkpoint.tiers.node import Ring, default_node_id

@@ -40,8 +40,8 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from ft_checkpoint import __version__
-from ft_checkpoint.errors import FTCheckpointError
+from ft_checkpoint._version import __version__
+from ft_checkpoint.errors import FTCheckpointError, UsageError
 from ft_checkpoint.progress import Progress
 from ft_checkpoint.units import DURATION_EXAMPLES, human_bytes, human_seconds, parse_duration, plural, printable, short
 
@@ -50,10 +50,6 @@ if TYPE_CHECKING:
     from ft_checkpoint.store.storage import Storage
 
 log = logging.getLogger("ft_checkpoint.tools.cli")  # not __name__: "__main__" under python -m
-
-
-class UsageError(Exception):
-    """Wrong or impossible arguments: printed as an error, exit code 2."""
 
 
 MAX_SECONDS = 100 * 365.25 * 86400

@@ -25,7 +25,7 @@ import json
 import math
 from typing import Any
 
-from ft_checkpoint.tools.cli import UsageError
+from ft_checkpoint.errors import UsageError
 from ft_checkpoint.units import human_seconds
 
 CLASS_OPTIONS = {"crash_mtbf": "process crash", "node_mtbf": "one node lost", "more_mtbf": "more"}

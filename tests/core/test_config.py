@@ -13,7 +13,7 @@ from ft_checkpoint import CheckpointConfig, CheckpointManager
 from ft_checkpoint.config import ENV_CONFIG_FILE, ENV_PREFIX, FIELDS
 from ft_checkpoint.errors import ConfigError
 from ft_checkpoint.policies.adaptive.policy import AdaptiveInterval
-from ft_checkpoint.policies.policy import policy_from_interval
+from ft_checkpoint.policies.interval import policy_from_interval
 from ft_checkpoint.units import parse_duration
 
 INVALID = [
