@@ -12,4 +12,6 @@ the newest complete step from the fastest place that has it. One module per conc
 - ``room``: the space a node needs, checked at the first save;
 - ``sources``: what each node holds, and which rank takes its part from where at a resume;
 - ``fast_tier``: the fast tier of one manager, putting them together.
+
+May import: ``save``, ``load``, ``state`` and every layer below them; not ``manager`` or the integrations.
 """
