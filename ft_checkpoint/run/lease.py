@@ -381,8 +381,8 @@ class Lease:
 
     def _put(self, *, if_match: str | None = None, if_none_match: bool = False) -> None:
         """Write our lease; with a condition (S3), raise _Changed if it does not hold."""
-        if self.fencing != "etag":  # a takeover may replace it at once: no check of the store's CRC (see write_bytes)
-            self.storage.write_bytes(LEASE, self._body(), check_stored=False)
+        if self.fencing != "etag":  # a takeover may replace it at once: the CRC compared is our upload's (_check_stored)
+            self.storage.write_bytes(LEASE, self._body())
             return
         cond = {"IfMatch": if_match} if if_match else {"IfNoneMatch": "*"} if if_none_match else {}
         path = self.storage.path(LEASE)

@@ -391,39 +391,42 @@ class Storage:
                 raise StorageNotFoundError(
                     f"bucket {bucket!r} of {self.url} does not exist. HINT: create it first, or fix the URL") from None
 
-    def write_bytes(self, rel: str, data: bytes, *, atomic: bool = True, check_stored: bool = True) -> None:
+    def write_bytes(self, rel: str, data: bytes, *, atomic: bool = True) -> None:
         """Write one object whole, durably. On local disk atomically (tmp + fsync + rename + directory fsync);
         with ``atomic=False`` in place (one fsync): for a file inside a step, which no reader sees before the
         step's manifest (written atomically, after it) makes the step and its directory entries durable.
-        ``check_stored=False``: skip the comparison with the store's CRC-32C (see :meth:`_check_stored`), for
-        an object another writer may replace right after ours (``lease.json``): where the upload's response
-        carries no CRC, the comparison reads the object's metadata, which may then be theirs, and its retry
-        would write ours over it."""
+        On an object store the store's CRC-32C of our upload is compared with ours (see :meth:`_check_stored`)."""
         if not self.is_local:
-            self._call("write", rel, self._put, rel, data, check_stored)
+            self._call("write", rel, self._put, rel, data)
         elif atomic:
             self._call("write", rel, self._write_local, rel, data)
         else:
             self.write_views(rel, [memoryview(data)])
 
-    def _put(self, rel: str, data: bytes, check_stored: bool = True) -> None:
+    def _put(self, rel: str, data: bytes) -> None:
         response = self.fs.pipe_file(self.path(rel), data)
-        if check_stored:
-            self._check_stored(rel, len(data), crc32c_of(data), response)
+        self._check_stored(rel, len(data), crc32c_of(data), response)
 
     def _check_stored(self, rel: str, size: int, crc: int, response: Any = None) -> None:
         """Where the store keeps its own CRC-32C of an object (GCS), compare it with ours: end-to-end integrity of
         what was stored, without reading it back. A mismatch is retried as a transient error (the whole object
         is written again). The CRC comes from the upload's own ``response`` where it carries one (gcsfs returns
         the object's resource for a one-request upload: no extra request, and no other writer's object seen
-        in between); otherwise from the object's metadata."""
+        in between); otherwise from the object's metadata, while it is still our upload's ``generation`` where
+        the response names one: an object another writer put in its place since (a lease taken over) is not
+        ours to compare, nor to write over again. A response that says nothing (gcsfs's resumable upload of a
+        large file) leaves the metadata as it is, which only we write (shard files)."""
         if not self._stores_crc32c:
             return
-        stored = response.get("crc32c") if isinstance(response, dict) else None
+        ours = response if isinstance(response, dict) else {}
+        stored = ours.get("crc32c")
         if stored is None:
             path = self.path(rel)
             self.fs.invalidate_cache(path)
-            stored = self.fs.info(path).get("crc32c")
+            info = self.fs.info(path)
+            if ours.get("generation") not in (None, info.get("generation")):
+                return
+            stored = info.get("crc32c")
         if stored is None:
             return
         ours = base64.b64encode(struct.pack(">I", crc)).decode()

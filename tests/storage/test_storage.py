@@ -204,6 +204,35 @@ def test_gcs_a_write_compares_the_crc_of_its_own_upload_not_of_a_later_writers_o
     assert s.read_bytes("shared.json") == b"the other writer's object"
 
 
+def test_gcs_a_response_with_only_a_generation_compares_that_generation_not_a_later_writers(request, tmp_path,
+                                                                                             monkeypatch):
+    """Where the upload's response names the object's generation but carries no CRC-32C, the object's metadata is
+    compared only while it is still that generation: the lease, written through this same check (it skipped the
+    check before), is neither called corrupt nor written over again when a takeover replaces it at once; and
+    bytes of our own generation that differ from those sent are still caught."""
+    from ft_checkpoint.store.checksum import crc32c_of
+    from ft_checkpoint.store.storage import StoredChecksumMismatch
+    from tests.conftest import _make_backend
+
+    backend = _make_backend("gcs", request, tmp_path)
+    s = Storage(backend.url, backend.storage_options, retries=1)
+    s.ensure_root()
+    upload = s.fs.pipe_file
+
+    def generation_only_then_another_writer(path, data, **kwargs):
+        response = upload(path, data, **kwargs)
+        upload(path, b"the other writer's lease")  # a takeover, between our upload and our comparison
+        return {"generation": response["generation"]}
+
+    monkeypatch.setattr(s.fs, "pipe_file", generation_only_then_another_writer)
+    s.write_bytes("lease.json", b"ours")  # not compared with their object, so not retried over it
+    monkeypatch.undo()
+    assert s.read_bytes("lease.json") == b"the other writer's lease"
+    ours = s.fs.pipe_file(s.path("b.bin"), b"what the store got")
+    with pytest.raises(StoredChecksumMismatch, match="corrupted on the way"):
+        s._check_stored("b.bin", 13, crc32c_of(b"what was sent"), {"generation": ours["generation"]})
+
+
 def test_gcs_a_small_file_is_joined_in_a_buffer_that_the_next_save_reuses(request, tmp_path):
     """On GCS a file up to SINGLE_PUT_MAX is joined into a pooled buffer instead of fresh memory on every save:
     the next file of the same size reuses it, and each object keeps its own bytes (the buffer is not reused
