@@ -45,6 +45,13 @@ def test_the_readme_api_section_lists_exactly_all():
     assert names == set(ft_checkpoint.__all__)
 
 
+def test_how_it_works_names_every_layer_of_the_package():
+    how = section(readme(), "How it works")
+    package = os.path.join(ROOT, "ft_checkpoint")
+    layers = [d for d in os.listdir(package) if os.path.exists(os.path.join(package, d, "__init__.py"))]
+    assert len(layers) >= 9 and all(f"{layer}/" in how for layer in layers), layers
+
+
 def test_the_readme_has_a_table_of_contents_with_every_section():
     text = readme()
     contents = next(line for line in text.split("\n\n") if line.startswith("Contents:"))
