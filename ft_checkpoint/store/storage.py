@@ -418,13 +418,13 @@ class Storage:
         large file) leaves the metadata as it is, which only we write (shard files)."""
         if not self._stores_crc32c:
             return
-        ours = response if isinstance(response, dict) else {}
-        stored = ours.get("crc32c")
+        upload = response if isinstance(response, dict) else {}
+        stored = upload.get("crc32c")
         if stored is None:
             path = self.path(rel)
             self.fs.invalidate_cache(path)
             info = self.fs.info(path)
-            if ours.get("generation") not in (None, info.get("generation")):
+            if upload.get("generation") not in (None, info.get("generation")):
                 return
             stored = info.get("crc32c")
         if stored is None:
