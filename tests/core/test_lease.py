@@ -204,8 +204,9 @@ def test_a_hung_job_taken_over_stops_writing_when_it_wakes(kind, request, tmp_pa
 
 def test_a_takeover_right_after_a_gcs_heartbeat_is_not_overwritten_by_its_retry(request, tmp_path):
     """On GCS a write is followed by a comparison with the store's CRC-32C of the object, retried on a
-    mismatch. For ``lease.json`` that comparison would see the new owner's object when a takeover lands
-    right after our heartbeat's write, and the retry would write the old owner's lease over it."""
+    mismatch. Where the upload's response carries no CRC (here: only the object's generation), that comparison
+    reads the object's metadata, which is the new owner's when a takeover lands right after our heartbeat's
+    write: it is not ours to compare (another generation), and a retry would write the old owner's lease over it."""
     from tests.conftest import _make_backend
 
     backend = _make_backend("gcs", request, tmp_path)
@@ -216,9 +217,10 @@ def test_a_takeover_right_after_a_gcs_heartbeat_is_not_overwritten_by_its_retry(
     pipe_file = old_storage.fs.pipe_file
 
     def heartbeat_then_takeover(path, data, **kwargs):  # the takeover lands between our write and any check
-        pipe_file(path, data, **kwargs)
+        response = pipe_file(path, data, **kwargs)
         if b'"old"' in data:
             new.acquire()
+        return {"generation": response["generation"]}
 
     old_storage.fs.pipe_file = heartbeat_then_takeover
     old._refresh()  # read: still ours; write; the takeover; no retry over it
