@@ -29,6 +29,7 @@ def run_blocked(blocked: set[str], code: str) -> None:
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.slow  # a subprocess or a long run: over 5 s (keeps the quick tier under 3 minutes)
 def test_core_imports_without_lightning_or_accelerate():
     run_blocked({"lightning", "pytorch_lightning", "accelerate"}, """
 import ft_checkpoint
@@ -49,11 +50,13 @@ assert "torch" not in sys.modules
 """)
 
 
+@pytest.mark.slow  # a subprocess or a long run: over 5 s (keeps the quick tier under 3 minutes)
 @pytest.mark.parametrize("package,blocked", [("lightning_ft", "accelerate"), ("accelerate_ft", "lightning")])
 def test_integrations_do_not_import_each_other(package, blocked):
     run_blocked({blocked}, f"import {package}\n")
 
 
+@pytest.mark.slow  # a subprocess or a long run: over 5 s (keeps the quick tier under 3 minutes)
 def test_deepspeed_is_imported_only_when_a_deepspeed_engine_is_saved():
     run_blocked({"deepspeed"}, """
 import torch

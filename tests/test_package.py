@@ -10,6 +10,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 import ft_checkpoint
 from ft_checkpoint.policies.interval import describe_policy, policy_from_interval
 
@@ -89,6 +91,7 @@ def test_counts_read_right():
     assert describe_policy(policy_from_interval(500)) == "a save every 500 steps"
 
 
+@pytest.mark.slow  # a subprocess or a long run: over 5 s (keeps the quick tier under 3 minutes)
 def test_a_resume_says_its_time_with_a_unit_that_fits(tmp_path):
     """Not "loaded in 0.0 s": a quick load reads in ms."""
     code = ("import sys, torch; from ft_checkpoint import CheckpointManager\n"

@@ -116,6 +116,7 @@ def test_a_quarantined_step_is_corrupt_and_verify_checks_what_a_resume_would_loa
     assert "ft-checkpoint ls" in partial.stderr
 
 
+@pytest.mark.slow  # a subprocess or a long run: over 5 s (keeps the quick tier under 3 minutes)
 def test_garbage_in_step_directories_is_reported_as_a_resume_then_skips_it(copy):
     """Files the manifest does not list (step 40), garbage bytes in place of a manifest (step 30)."""
     for name in ("__0_7.distcp", "notes.txt"):
@@ -182,6 +183,7 @@ class _Payload:
         return os.system, (f"touch {self.marker}",)
 
 
+@pytest.mark.slow  # a subprocess or a long run: over 5 s (keeps the quick tier under 3 minutes)
 @pytest.mark.parametrize("payload", ["reduce", "dotted-name"])
 def test_inspect_never_unpickles_anything_but_checkpoint_metadata(tmp_path, payload):
     """A format-1 step (pickled ``.metadata``, as 0.1 wrote) with a payload whose checksum was recomputed."""

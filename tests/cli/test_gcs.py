@@ -12,6 +12,8 @@ from ft_checkpoint.format import layout
 from ft_checkpoint.store.storage import Storage
 from tests.cli.conftest import HANG_AT, INTERVAL, STEPS, cli, cli_json, killed_and_resumed
 
+pytestmark = pytest.mark.slow  # a job killed and resumed on the GCS emulator first: about 20 s
+
 
 @pytest.fixture(scope="module")
 def gcs_run(gcs_server):

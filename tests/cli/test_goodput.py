@@ -68,6 +68,7 @@ def test_recomputed_steps_are_exact_when_every_step_was_noted(tmp_path):
     assert report.may_miss_s == 0.0
 
 
+@pytest.mark.slow  # a subprocess or a long run: over 5 s (keeps the quick tier under 3 minutes)
 def test_a_killed_job_on_a_filesystem_is_counted_exactly_with_the_default_settings(tmp_path):
     """The README's main job killed 6 steps after its save at step 61 reported "at least 0"; on a filesystem every
     step is now noted in place (issue 22, point 9). A real job, SIGKILLed right after step 67."""

@@ -60,6 +60,7 @@ def progress_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "ft_checkpoint.progress"]
 
 
+@pytest.mark.slow  # a subprocess or a long run: over 5 s (keeps the quick tier under 3 minutes)
 def test_verify_writes_progress_lines_on_slow_storage(tmp_path):
     """End to end, with the real DELAY: the CLI as a process on faulty:// storage that sleeps a second on every
     call, no terminal: lines on stderr."""

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from ft_checkpoint.format import _dcp_internals as internals
 
 
@@ -28,6 +30,7 @@ def test_fsspec_filesystem_opens_through_create_stream():
     assert params[:2] == ["self", "path"] and "kwargs" in params, params  # LegacyReader passes storage_options
 
 
+@pytest.mark.slow  # a subprocess or a long run: over 5 s (keeps the quick tier under 3 minutes)
 def test_dtensor_like_keeps_mesh_placements_and_shape_without_moving_the_shard(tmp_path):
     """On a 1-rank gloo group (a DTensor needs a mesh): the rewrapped host copy is a DTensor equal to the original,
     with its spec, and its local tensor is the very buffer given (no copy back to the mesh's device)."""

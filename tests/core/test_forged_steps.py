@@ -341,6 +341,7 @@ def resume_answer(url: str) -> Any:
     return answer
 
 
+@pytest.mark.slow  # a subprocess or a long run: over 5 s (keeps the quick tier under 3 minutes)
 def test_the_cover_check_of_300_thousand_chunks_is_not_quadratic(monkeypatch):
     """The old check took hours here (quadratic: 8,000 chunks 1.0 s, 16,000 3.5 s)."""
     n = 300_000

@@ -145,6 +145,7 @@ def test_a_writer_process_killed_in_the_middle_of_a_write_loses_no_save(tmp_path
     assert torch.equal(resumed["w"], state["w"])
 
 
+@pytest.mark.slow  # a subprocess or a long run: over 5 s (keeps the quick tier under 3 minutes)
 def test_a_staged_tensor_kept_after_the_manager_closed_stays_readable(tmp_path):
     """Closing the staging arena unmapped its memory while a staged tensor could still be referenced (the
     frames of a failed save's traceback, which pytest printed): reading it crashed the process with a
@@ -159,6 +160,7 @@ def test_a_staged_tensor_kept_after_the_manager_closed_stays_readable(tmp_path):
     assert proc.returncode == 0 and proc.stdout.strip() == "499500.0", (proc.returncode, proc.stderr[-2000:])
 
 
+@pytest.mark.slow  # a subprocess or a long run: over 5 s (keeps the quick tier under 3 minutes)
 def test_the_writer_process_imports_nothing_from_the_working_directory(tmp_path):
     """A ``tenacity.py`` planted in the directory a training runs from: the training imports the real one (its
     script's directory, not the working directory, is on its path); the writer process, started with ``-m``,

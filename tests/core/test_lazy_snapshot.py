@@ -161,6 +161,7 @@ def test_lazy_snapshot_off_copies_everything_at_the_save(tmp_path, monkeypatch):
         assert ckpt.save(1, state).deferred == 0
 
 
+@pytest.mark.slow  # a subprocess or a long run: over 5 s (keeps the quick tier under 3 minutes)
 def test_a_process_that_exits_right_after_a_save_does_not_hang(tmp_path, python):
     """The writer waits for the training thread to settle the copy; once that thread has ended (interpreter
     exit, no ``close``) the writer settles it itself instead of waiting forever."""

@@ -68,6 +68,7 @@ def test_second_job_refuses_while_first_is_alive_then_takes_over_after_a_crash(t
     assert not os.path.exists(os.path.join(url, LEASE)), "released at close"
 
 
+@pytest.mark.slow  # a subprocess or a long run: over 5 s (keeps the quick tier under 3 minutes)
 def test_force_takeover_and_a_launcher_restart_of_the_same_job(tmp_path):
     url = str(tmp_path / "ckpt")
     job = {"TORCHELASTIC_RUN_ID": "job-43", "TORCHELASTIC_RESTART_COUNT": "0"}

@@ -278,6 +278,7 @@ def test_s3_a_small_file_is_one_put_and_a_large_one_is_streamed_in_parts(request
     assert s.read_bytes("one.bin") == s.read_bytes("parts.bin") == b"".join(pieces)
 
 
+@pytest.mark.slow  # a subprocess or a long run: over 5 s (keeps the quick tier under 3 minutes)
 def test_memory_store_lists_a_directory_while_other_threads_write_and_delete_in_it():
     """fsspec's memory filesystem is one dict shared by every thread; our engine lists a step directory while
     retention deletes and writer threads create files (seen in CI: 'dictionary changed size during iteration')."""
