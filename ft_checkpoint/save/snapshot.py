@@ -101,12 +101,13 @@ def settle_all() -> None:
 
 
 def optimizer_storages() -> set[int]:
-    """The storage addresses of every parameter and state tensor of the optimizers that have stepped."""
+    """The storage addresses of every plain parameter and state tensor of the optimizers that have stepped."""
     out: set[int] = set()
     for opt in list(_optimizers):
         tensors = [p for g in opt.param_groups for p in g["params"]]
         tensors += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        out.update(t.untyped_storage().data_ptr() for t in tensors)
+        # only plain tensors are ever deferred: a DTensor (FSDP2) has no storage of its own to look at
+        out.update(t.untyped_storage().data_ptr() for t in tensors if type(t) is torch.Tensor)
     return out
 
 
