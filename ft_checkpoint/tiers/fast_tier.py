@@ -276,27 +276,26 @@ class FastTier:
         """Fetch, check, open and load this rank's part of ``plan``: ``(result, ranks that failed, touched)``."""
         step, storage = plan.step, self.folder.storage(self.rank)
         loader = FastStepLoader(storage, self.rank)
-        opened: OpenedStep | None = None
-        result: Any = None
+        done: list[Any] = []  # each phase's value: None, the checked manifest (read once), the opened step, the result
         phases: list[Callable[[], Any]] = [
             lambda: self._fetch(plan),
             lambda: self._check(plan),
-            lambda: loader.open_step(layout.read_manifest(storage, step, signer=self.signer)),
-            lambda: load(loader, opened),  # type: ignore[arg-type]  # set by the phase before
+            lambda: loader.open_step(done[1]),
+            lambda: load(loader, done[2]),
         ]
-        for i, phase in enumerate(phases):
+        for phase in phases:
             value, failed, corrupt = self._phase(plan, phase)
             if failed:
+                opened: OpenedStep | None = done[2] if len(done) > 2 else None
                 touched = any(self.groups.all_gather(opened is not None and opened.touches))
                 if corrupt and plan.holders[self.rank] == self.rank:  # set aside: no later resume tries it again
                     layout.delete_step(storage, step)
                 return None, failed, touched
-            opened = value if i == 2 else opened
-            result = value
+            done.append(value)
         source = f"fast tier, {plan.source}"
         if self.rank == 0:
             log.info("fast-tier step %d: every rank's part checked and loaded (%s)", step, plan.source)
-        return (layout.read_manifest(storage, step, signer=self.signer), result, source), [], False
+        return (done[1], done[3], source), [], False
 
     def _fetch(self, plan: sources.StepPlan) -> None:
         """Parts some ranks' nodes lack, sent over the fast tier's group by the ranks whose nodes hold them."""
@@ -308,13 +307,15 @@ class FastTier:
             if receives:
                 log.info("rank %d: received its part of fast-tier step %d from rank %d", self.rank, plan.step, holder)
 
-    def _check(self, plan: sources.StepPlan) -> None:
+    def _check(self, plan: sources.StepPlan) -> layout.Manifest:
+        """This rank's part of ``plan``: its manifest (signature, sizes, kinds) and whose part it is; the manifest."""
         manifest = layout.check_step(self.folder.storage(self.rank), plan.step, signer=self.signer).raise_if_bad()
         own = manifest.metadata.get(FAST_TIER)
         expected = {"rank": self.rank, "world_size": self.ring.world_size, "save": plan.save}
         if not isinstance(own, dict) or any(own.get(k) != v for k, v in expected.items()):
             raise CheckpointCorruptError(f"{self.folder.storage(self.rank).url}: step {plan.step} is not rank "
                                          f"{self.rank}'s part of the save {plan.save} by {self.ring.world_size} ranks")
+        return manifest
 
     def _phase(self, plan: sources.StepPlan, fn: Callable[[], T]) -> tuple[T | None, list[int], bool]:
         """Run ``fn`` on every rank: ``(its result here, the ranks where it failed, whether it failed here for
