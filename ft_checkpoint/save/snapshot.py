@@ -43,6 +43,8 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from ft_checkpoint.save.staging import _is_dtensor
+
 log = logging.getLogger(__name__)
 
 MIN_BYTES = 1024
@@ -101,13 +103,14 @@ def settle_all() -> None:
 
 
 def optimizer_storages() -> set[int]:
-    """The storage addresses of every plain parameter and state tensor of the optimizers that have stepped."""
+    """The storage addresses of every parameter and state tensor (DTensors left out) of the optimizers that have
+    stepped."""
     out: set[int] = set()
     for opt in list(_optimizers):
         tensors = [p for g in opt.param_groups for p in g["params"]]
         tensors += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        # only plain tensors are ever deferred: a DTensor (FSDP2) has no storage of its own to look at
-        out.update(t.untyped_storage().data_ptr() for t in tensors if type(t) is torch.Tensor)
+        # a DTensor (FSDP2) has no storage of its own to look at, and is never deferred
+        out.update(t.untyped_storage().data_ptr() for t in tensors if not _is_dtensor(t))
     return out
 
 
