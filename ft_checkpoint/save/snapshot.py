@@ -34,6 +34,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import weakref
@@ -67,6 +68,14 @@ def install() -> None:
             at_threading_exit = getattr(threading, "_register_atexit", None)  # runs before threads are joined
             if at_threading_exit is not None:
                 at_threading_exit(settle_all)
+            os.register_at_fork(after_in_child=_forget_pending)
+
+
+def _forget_pending() -> None:
+    """In a forked child (a DataLoader worker): the parent's pending copies are the parent's, and their copy
+    thread does not exist here. Waiting for them (a worker's exit runs the threading exit hooks) would hang
+    the worker forever."""
+    _pending.clear()
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
@@ -142,6 +151,7 @@ class LazyCopy:
         self._changed: list[str] = []
         self._ready = _record_streams(self._sources.values())
         self._on_wait = on_wait
+        self._pid = os.getpid()
         _pending.add(self)
 
     def run(self) -> None:
@@ -162,8 +172,9 @@ class LazyCopy:
 
     def settle(self) -> None:
         """Wait until the copy is done, then compare the version counters (on the training thread, before the
-        next optimizer step, save, wait or close: every in-place change made so far is counted)."""
-        if self._settled.is_set():
+        next optimizer step, save, wait or close: every in-place change made so far is counted). In a forked
+        child it returns at once: the copy is the parent's."""
+        if self._settled.is_set() or os.getpid() != self._pid:
             return
         start = time.perf_counter()
         self._copied.wait()

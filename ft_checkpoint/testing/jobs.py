@@ -20,12 +20,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from typing import Any
 
@@ -108,14 +110,16 @@ def command(script: str, *args: Any, launcher: str = "python", nproc: int = 1, r
 
 
 def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """This environment without ``FT_CHECKPOINT_*`` settings, one thread per rank, unbuffered output and an
-    unshared rendezvous store (launcher restarts are reliable with it) on a free port, plus ``extra``.
+    """This environment without ``FT_CHECKPOINT_*`` settings, one thread per rank, unbuffered output, Python
+    stacks printed on a fatal signal (a job that times out is aborted with one) and an unshared rendezvous store
+    (launcher restarts are reliable with it) on a free port, plus ``extra``.
 
     The port: ``accelerate launch`` on one machine passes no rendezvous endpoint to torchrun, whose c10d
     rendezvous then listens on port 29400, so that two jobs running at once (tests on several workers) join
     each other's rendezvous; torchrun reads its default endpoint from ``PET_RDZV_ENDPOINT``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FT_CHECKPOINT_")}
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1",
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
                 "PET_RDZV_ENDPOINT": f"127.0.0.1:{free_port()}"})
     env.update(extra or {})
     return env
@@ -132,9 +136,39 @@ def run(script: str, *args: Any, out: Any = None, launcher: str = "python", npro
     out = None if out is None else str(out)
     offsets = {path: os.path.getsize(path) for path in _report_files(out)}
     cmd = command(script, *args, launcher=launcher, nproc=nproc, restarts=restarts, launcher_args=launcher_args)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=job_env(env),
-                          start_new_session=new_session)
-    return Finished(cmd, proc.returncode, proc.stdout, proc.stderr, out, offsets)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env(env),
+                          start_new_session=new_session) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(_timed_out(proc, timeout)) from None
+    return Finished(cmd, proc.returncode, stdout, stderr, out, offsets)
+
+
+def _timed_out(proc: subprocess.Popen, timeout: float) -> str:
+    """Abort a job that ran past ``timeout`` and every process it started (each Python one prints its threads'
+    stacks first: ``PYTHONFAULTHANDLER``), then kill what is left; returns what happened, with the stacks."""
+    import signal
+
+    import psutil  # a dependency of accelerate and of the test extra
+
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    alive = [f"{p.pid} {' '.join(p.cmdline()[:3])}" for p in tree if p.is_running()]
+    for sig in (signal.SIGABRT, signal.SIGKILL):
+        for p in tree:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(sig)
+        time.sleep(2)
+    try:
+        stdout, stderr = proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:  # a process outside the tree (an orphan) holds the output open
+        proc.kill()
+        stdout, stderr = "", "(the output stayed open: a process that left the job's tree holds it)"
+    return (f"the job ran past {timeout:.0f} s: {proc.args}\nstill running: {alive or 'only orphans'}\n"
+            f"last output:\n{(stdout or '')[-2000:]}{(stderr or '')[-8000:]}")
 
 
 def start(script: str, *args: Any, launcher: str = "python", nproc: int = 1, restarts: int = 0,

@@ -7,6 +7,7 @@ before the next optimizer step: the latest moment the copy may happen, where a s
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import subprocess
 import textwrap
 import threading
@@ -176,6 +177,28 @@ def test_a_process_that_exits_right_after_a_save_does_not_hang(tmp_path, python)
     """)
     out = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and int(out.stdout.split()[-1]) > 0, out.stdout + out.stderr
+
+
+def test_a_process_forked_while_a_copy_is_pending_exits_on_its_own(tmp_path):
+    """A DataLoader starting its workers (a fork, as ``multiprocessing`` does here) while a save's copy is still
+    pending: the child inherits the pending copy but not its thread, and its exit runs the threading exit hooks.
+    Waiting for that copy there hung every worker at exit: 5 s per epoch until the loader terminated it, and
+    forever once the training process was killed (the orphan kept the job's output open)."""
+    state, held = make(0, ema=False), HeldCopy()
+    with CheckpointManager(str(tmp_path), interval=1000, announce=False, final_save=False) as ckpt:
+        ckpt.engine.phase_hook = held
+        iteration(state, 1)  # the step hook learns the optimizer: its tensors are deferred from now on
+        held.hold()
+        saved = ckpt.save(1, state)
+        child = multiprocessing.get_context("fork").Process(target=len, args=([],))
+        child.start()
+        child.join(timeout=60)
+        hung = child.is_alive()
+        if hung:
+            child.kill()
+        held.release()
+    assert saved.deferred > 0 and saved.committed
+    assert not hung and child.exitcode == 0, "the forked process waited at exit for its parent's copy"
 
 
 def test_a_step_with_a_closure_waits_for_the_copy_after_the_closure(tmp_path):
