@@ -145,18 +145,21 @@ def run(script: str, *args: Any, out: Any = None, launcher: str = "python", npro
     return Finished(cmd, proc.returncode, stdout, stderr, out, offsets)
 
 
-def _timed_out(proc: subprocess.Popen, timeout: float) -> str:
+def _timed_out(proc: subprocess.Popen[str], timeout: float) -> str:
     """Abort a job that ran past ``timeout`` and every process it started (each Python one prints its threads'
     stacks first: ``PYTHONFAULTHANDLER``), then kill what is left; returns what happened, with the stacks."""
     import signal
 
-    import psutil  # a dependency of accelerate and of the test extra
+    import psutil  # in the test extra
 
     try:
         tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
     except psutil.NoSuchProcess:
         tree = []
-    alive = [f"{p.pid} {' '.join(p.cmdline()[:3])}" for p in tree if p.is_running()]
+    alive = []
+    for p in tree:
+        with contextlib.suppress(psutil.Error):
+            alive.append(f"{p.pid} {p.name()}")
     for sig in (signal.SIGABRT, signal.SIGKILL):
         for p in tree:
             with contextlib.suppress(psutil.Error):
@@ -167,7 +170,7 @@ def _timed_out(proc: subprocess.Popen, timeout: float) -> str:
     except subprocess.TimeoutExpired:  # a process outside the tree (an orphan) holds the output open
         proc.kill()
         stdout, stderr = "", "(the output stayed open: a process that left the job's tree holds it)"
-    return (f"the job ran past {timeout:.0f} s: {proc.args}\nstill running: {alive or 'only orphans'}\n"
+    return (f"the job ran past {timeout:.0f} s: {proc.args!r}\nstill running: {alive or 'only orphans'}\n"
             f"last output:\n{(stdout or '')[-2000:]}{(stderr or '')[-8000:]}")
 
 
