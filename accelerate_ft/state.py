@@ -24,8 +24,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,7 +67,8 @@ class ModelState:
     def state_dict(self) -> dict[str, Any]:
         if not self.optimizers:
             return {"model": self._rank0_buffers(get_model_state_dict(self.model))}
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
+        with _no_initial_step(self.model, self.optimizers):
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
         return {"model": self._rank0_buffers(model_sd), "optimizers": optim_sd}
 
     def _rank0_buffers(self, model_sd: dict[str, Any]) -> dict[str, Any]:
@@ -81,7 +83,37 @@ class ModelState:
         if "optimizers" not in state:
             raise ConfigError("the checkpoint has this model without optimizer state, but this run prepared "
                               f"{len(self.optimizers)} optimizer(s) for it. HINT: prepare the same objects as the run that saved")
-        set_state_dict(self.model, self.optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizers"])
+        with _no_initial_step(self.model, self.optimizers):
+            set_state_dict(self.model, self.optimizers, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizers"])
+
+
+@contextlib.contextmanager
+def _no_initial_step(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[None]:
+    """Keep DCP's state-dict helpers from stepping an optimizer that has no state yet.
+
+    ``get_state_dict`` and ``set_state_dict`` create a fresh optimizer's state by a step over zero gradients
+    (learning rate 0): a full optimizer step and a zero tensor per parameter on every resume (for Adam over
+    600 MB of parameters, seconds before the load starts), and a step counted (Adam's ``step`` becomes 1) in a
+    state that had none. A resume needs none of it: the checkpoint's optimizer tensors that the state lacks are
+    read into new tensors, which ``load_state_dict`` takes as they are. An empty placeholder per parameter
+    (which optimizers treat as not yet initialized) tells DCP the state exists; ``load_state_dict`` replaces
+    them, and any left afterwards are removed. A save before the first optimizer step (or of an optimizer that
+    keeps no state, such as SGD without momentum) leaves the live optimizer as it is and saves each parameter's
+    state empty. FSDP's optimizer state (DTensors, resharded) keeps DCP's own path.
+    """
+    placeholders = []
+    if not _sharded(model):
+        for opt in optimizers:
+            params = [p for group in opt.param_groups for p in group["params"]]
+            if not opt.state and all(p.grad is None for p in params):
+                placeholders += [(opt, p, opt.state[p]) for p in params if p.requires_grad]  # each a new {}
+    try:
+        yield
+    finally:
+        for opt, param, placeholder in placeholders:
+            if opt.state.get(param) is placeholder and not placeholder:
+                del opt.state[param]
 
 
 class StatefulList:

@@ -367,3 +367,38 @@ def test_a_loop_that_breaks_after_a_step_ends_with_that_step_saved(make_accelera
     with FaultTolerantCheckpoint(acc, url, interval=4) as ft:
         assert (ft.resumed_from, ft.batches_done) == (6, 6) and torch.equal(model.weight, weight)
         assert train(ft, acc, model, opt, loader) == [6, 7]  # the last two batches of the epoch
+
+
+def test_a_resume_loads_a_fresh_adams_state_without_stepping_it(make_accelerator, clean_env, tmp_path):
+    """Issue 27: DCP's state-dict helpers created a fresh optimizer's state by a step over zero gradients before
+    a resume could load into it (a full Adam step and a zero tensor per parameter: most of the Accelerate
+    resume's time). The saved state is now loaded as it is: no optimizer step runs before the first training
+    step, and the state is the saved one, bit for bit."""
+    url = str(tmp_path / "ckpt")
+
+    def adam(acc: Accelerator):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        loader = torch.utils.data.DataLoader(torch.randn(32, 4), batch_size=4)
+        return acc.prepare(model, opt, loader)
+
+    acc = make_accelerator()
+    model, opt, loader = adam(acc)
+    with FaultTolerantCheckpoint(acc, url, interval=100) as ft:  # step 3 saved at the end (final_save)
+        train(ft, acc, model, opt, loader, stop_after=3)
+    saved = {k: {n: v.clone() for n, v in s.items()} for k, s in opt.optimizer.state_dict()["state"].items()}
+
+    acc = make_accelerator()
+    model, opt, loader = adam(acc)
+    steps = []
+    hook = opt.optimizer.register_step_pre_hook(lambda *_: steps.append(1))
+    ft = FaultTolerantCheckpoint(acc, url, interval=100, final_save=False)
+    hook.remove()
+    loaded = opt.optimizer.state_dict()["state"]
+    assert ft.resumed_from == 3 and steps == [], "an optimizer step ran during the resume"
+    assert sorted(loaded) == sorted(saved) and all(
+        torch.equal(loaded[k][n], saved[k][n]) for k in saved for n in saved[k])
+    assert all(p.grad is None for p in model.parameters())
+    train(ft, acc, model, opt, loader)  # and the training goes on from it
+    ft.close()
+    assert int(opt.optimizer.state_dict()["state"][0]["step"]) == 8
