@@ -102,8 +102,26 @@ IDLE_TIMEOUT = 20
 """Seconds the GCS emulator keeps an idle connection open. It serves one connection at a time (a plain
 ``http.server.HTTPServer``), so a client stopped while holding a keep-alive connection (SIGSTOP, as in the
 lease tests) would otherwise block every other client for good; closed, the client reconnects."""
-_GCS_MAIN = ("import sys; import gcp_storage_emulator.server as s; s.RequestHandler.timeout = {timeout}; "
-             "from gcp_storage_emulator.__main__ import main; sys.exit(main(sys.argv[1:]))")
+_GCS_MAIN = """
+import os, sys
+import gcp_storage_emulator.server as server, gcp_storage_emulator.storage as storage
+from gcp_storage_emulator.__main__ import main
+
+server.RequestHandler.timeout = {timeout}
+_write = storage._FileStore.write_bytes
+
+def write_atomically(self, rel, content):
+    # the emulator rewrites its whole index (.meta) in place at each change: killed in the middle (as the tests
+    # kill it), it left a truncated index and never started again; written aside and renamed, as GCS objects are
+    if self._use_memory:
+        return _write(self, rel, content)
+    _write(self, rel + ".partial", content)
+    os.replace(self._disk_path(rel + ".partial"), self._disk_path(rel))
+
+storage._FileStore.write_bytes = write_atomically
+sys.exit(main(sys.argv[1:]))
+"""
+"""The GCS emulator, with an idle-connection timeout (:data:`IDLE_TIMEOUT`) and files written atomically."""
 
 
 def start(kind: str, *, port: int | None = None, data_dir: str | None = None) -> Server:
