@@ -100,10 +100,10 @@ def _no_initial_step(model: torch.nn.Module, optimizers: Sequence[torch.optim.Op
     (which optimizers treat as not yet initialized) tells DCP the state exists; ``load_state_dict`` replaces
     them, and any left afterwards are removed. A save before the first optimizer step (or of an optimizer that
     keeps no state, such as SGD without momentum) leaves the live optimizer as it is and saves each parameter's
-    state empty. FSDP's optimizer state (DTensors, resharded) keeps DCP's own path.
+    state empty. FSDP's optimizer state (DTensors, or FSDP1's flat parameters) keeps DCP's own path.
     """
     placeholders = []
-    if not _sharded(model):
+    if not _sharded(model) and not _fsdp1(model):
         for opt in optimizers:
             params = [p for group in opt.param_groups for p in group["params"]]
             if not opt.state and all(p.grad is None for p in params):
@@ -265,6 +265,13 @@ def _replicated_by_ddp(accelerator: Accelerator) -> bool:
                     "BatchNorm statistics), but a checkpoint holds one copy, rank 0's; after a resume every rank "
                     "starts from rank 0's")
     return ddp
+
+
+def _fsdp1(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds FSDP1 modules (flat parameters, whose optimizer state DCP converts itself)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
 
 
 def _sharded(model: torch.nn.Module) -> bool:
