@@ -102,12 +102,13 @@ def _no_initial_step(model: torch.nn.Module, optimizers: Sequence[torch.optim.Op
     keeps no state, such as SGD without momentum) leaves the live optimizer as it is and saves each parameter's
     state empty. FSDP's optimizer state (DTensors, or FSDP1's flat parameters) keeps DCP's own path.
     """
+    fresh = [opt for opt in optimizers  # empty: no state, no gradients (DCP's own test for stepping it)
+             if not opt.state and all(p.grad is None for group in opt.param_groups for p in group["params"])]
     placeholders = []
-    if not _sharded(model) and not _fsdp1(model):
-        for opt in optimizers:
-            params = [p for group in opt.param_groups for p in group["params"]]
-            if not opt.state and all(p.grad is None for p in params):
-                placeholders += [(opt, p, opt.state[p]) for p in params if p.requires_grad]  # each a new {}
+    if fresh and not _sharded(model) and not _fsdp1(model):  # a save after the first step looks no further
+        for opt in fresh:
+            placeholders += [(opt, p, opt.state[p]) for group in opt.param_groups for p in group["params"]
+                             if p.requires_grad]  # each a new {}
     try:
         yield
     finally:

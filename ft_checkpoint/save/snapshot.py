@@ -68,14 +68,6 @@ def install() -> None:
             at_threading_exit = getattr(threading, "_register_atexit", None)  # runs before threads are joined
             if at_threading_exit is not None:
                 at_threading_exit(settle_all)
-            os.register_at_fork(after_in_child=_forget_pending)
-
-
-def _forget_pending() -> None:
-    """In a forked child (a DataLoader worker): the parent's pending copies are the parent's, and their copy
-    thread does not exist here. Waiting for them (a worker's exit runs the threading exit hooks) would hang
-    the worker forever."""
-    _pending.clear()
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
@@ -173,7 +165,8 @@ class LazyCopy:
     def settle(self) -> None:
         """Wait until the copy is done, then compare the version counters (on the training thread, before the
         next optimizer step, save, wait or close: every in-place change made so far is counted). In a forked
-        child it returns at once: the copy is the parent's."""
+        child (a DataLoader worker) it returns at once: the copy and its thread are the parent's, and waiting for
+        it there (a worker's exit runs the threading exit hooks) would hang the worker forever."""
         if self._settled.is_set() or os.getpid() != self._pid:
             return
         start = time.perf_counter()
