@@ -50,6 +50,7 @@ from ft_checkpoint.state import (
     rng_state,
     set_rng_state,
     stage_participants,
+    stands_alone,
     to_tree,
 )
 from ft_checkpoint.store.storage import Storage
@@ -319,22 +320,29 @@ class CheckpointManager:
         self._announce_start()
         called_at = time.perf_counter()
         self.journal.progress(step, force=True)
-        ranked = {"rng": rng_state() if self.config.save_rng_state else None,
-                  "state": to_tree(per_rank) if per_rank is not None else None}
+        rng = {"rng": rng_state() if self.config.save_rng_state else None}  # fresh objects: no copy needed
+        ranked = {"state": to_tree(per_rank) if per_rank is not None else None}
         plain, participants = self._participants.split(state)
         tree = to_tree(plain)
         check_tensors_match(tree, self.groups)
         durable, fast = self._tiers_due(step, participants)
         fields = {"epoch": epoch, "metadata": {**describe_participants(participants), **(metadata or {})}}
         fast_save, tier_write = None, None
+        part_only: dict[str, Any] = {}
         if fast and self.fast is not None:
-            self.fast.check_room(tree)
             fast_save = self.fast.started(step, 0.0)
             fast_save.durable = durable
-            tier_write = self.fast.writer(fast_save, fields, writers=self.config.writers)
-        stats = self.engine.save(step, tree, per_rank=ranked, files=lambda: stage_participants(participants),
-                                 manifest_fields=fields, listener=self._events, called_at=called_at, durable=durable,
-                                 tier_write=tier_write)
+            tier_write = self.fast.writer(fast_save, fields, writers=self.config.writers, part_only=part_only)
+
+        def stage_files() -> dict[str, Any]:  # in the engine's save, once the previous save committed
+            own, extra = stage_participants(participants, standalone=fast_save is not None)
+            if self.fast is not None and fast_save is not None:
+                self.fast.check_room(tree, {**own, **extra})
+            part_only.update(extra)
+            return own
+
+        stats = self.engine.save(step, tree, per_rank=ranked, owned=rng, files=stage_files, manifest_fields=fields,
+                                 listener=self._events, called_at=called_at, durable=durable, tier_write=tier_write)
         self.last_save = stats
         if fast_save is not None:
             fast_save.stall = stats.stall
@@ -376,13 +384,15 @@ class CheckpointManager:
 
     def _tiers_due(self, step: int, participants: Mapping[str, Any]) -> tuple[bool, bool]:
         """``(durable, fast)``: the tiers a save of ``step`` writes: those :meth:`agree_to_save` agreed on for it,
-        else (a save of the caller's own) both. A state with files of its own (DeepSpeed) is durable only."""
+        else (a save of the caller's own) both. A state with files of its own that cannot give each rank's alone
+        (DeepSpeed's pipeline and expert parallelism, ZeRO's elastic checkpoints) is durable only."""
         due, self._due = self._due, None
         durable, fast = (due[1], due[2]) if due is not None and due[0] == step else (True, self.fast is not None)
-        if fast and participants:  # its files are written by one rank for all: no rank's part stands alone
+        if fast and not stands_alone(participants):  # a rank's part would need files other ranks hold
             if self.rank == 0:
-                log.warning("the fast tier does not take state that writes files of its own (%s): from step %d on, "
-                            "this run saves to the durable tier only", ", ".join(participants), step)
+                log.warning("the fast tier does not take state whose files of its own do not load a rank on their "
+                            "own (%s): from step %d on, this run saves to the durable tier only",
+                            ", ".join(participants), step)
             self._fast_refused = True
             return True, False
         return durable or not fast, fast
@@ -461,7 +471,7 @@ class CheckpointManager:
         fast, touched = None, False
         found_in_fast: str | None = None
         why: str | None = "no fast tier"
-        if self.fast is not None and not self._participants.split(state)[1]:
+        if self.fast is not None and stands_alone(self._participants.split(state)[1]):
             fast, touched = self.fast.resume(load, durable_newest=self._newest_committed)
             found_in_fast, why = self.fast.failure_class, self.fast.why
         listing, self._listing = self._listing, None  # what this start listed serves its first resume only,

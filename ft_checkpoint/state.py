@@ -51,6 +51,10 @@ class FilesParticipant(Protocol):
         out of the training's way, and return ``{file name: writer}``; each writer later writes its file
         into the file object it is given, in the background. Names are plain and unique across ranks."""
 
+    # Optional, for the fast tier: ``stands_alone`` (a bool) and ``stage_part()``, which returns ``(the files of
+    # stage_files, the files this rank's fast-tier part holds besides: those another rank writes for it)``, so
+    # that a rank's part alone loads it. A participant without them is saved to the durable tier only.
+
     def load_files(self, files: StepFiles) -> None:
         """At a resume: load the state from the step's files; ``files(name)`` returns a file's bytes, checked
         against the manifest (see :class:`StepFiles`). Raise CheckpointCorruptError or StateMismatchError
@@ -155,17 +159,40 @@ def describe_participants(parts: Mapping[str, Any]) -> dict[str, Any]:
     return {key: part.describe() for key, part in parts.items() if callable(getattr(part, "describe", None))}
 
 
-def stage_participants(parts: Mapping[str, Any]) -> dict[str, Callable[[Any], None]]:
-    """Every participant's staged files; a name used twice is a ConfigError."""
-    files: dict[str, Callable[[Any], None]] = {}
+FileWriters = dict[str, Callable[[Any], None]]
+
+
+def stage_participants(parts: Mapping[str, Any], *, standalone: bool = False) -> tuple[FileWriters, FileWriters]:
+    """Every participant's staged files: ``(this rank's files of the step, the files only its fast-tier part holds)``
+    (with ``standalone``: see :class:`FilesParticipant`; else the second is empty). A name used twice is a
+    ConfigError.
+
+    Example:
+        >>> stage_participants({})
+        ({}, {})
+    """
+    files: FileWriters = {}
+    extra: FileWriters = {}
     for key, part in parts.items():
-        staged = part.stage_files()
-        clash = sorted(set(files) & set(staged))
+        own, more = part.stage_part() if standalone else (part.stage_files(), {})
+        clash = sorted((set(files) | set(extra)) & (set(own) | set(more)))
         if clash:
             raise ConfigError(f"state[{key!r}] stages a file named {clash[0]!r}, which another part of the state "
                               "stages too")
-        files.update(staged)
-    return files
+        files.update(own)
+        extra.update(more)
+    return files, extra
+
+
+def stands_alone(parts: Mapping[str, Any]) -> bool:
+    """Whether every participant can give a rank's files on their own, for a fast-tier part (see
+    :class:`FilesParticipant`).
+
+    Example:
+        >>> stands_alone({})
+        True
+    """
+    return all(callable(getattr(p, "stage_part", None)) and getattr(p, "stands_alone", False) for p in parts.values())
 
 
 def to_tree(state: Mapping[str, Any]) -> dict[str, Any]:

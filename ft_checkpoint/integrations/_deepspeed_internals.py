@@ -1,6 +1,6 @@
 """Every use of DeepSpeed's private API (and of its internal classes) in ft_checkpoint, in one place.
 
-DeepSpeed offers no public way to do four things :mod:`ft_checkpoint.integrations.deepspeed` needs:
+DeepSpeed offers no public way to do five things :mod:`ft_checkpoint.integrations.deepspeed` needs:
 
 1. replace an engine's checkpoint engine (``engine.checkpoint_engine``, an attribute set in
    ``_configure_checkpointing``; its base class lives in ``deepspeed.runtime.checkpoint_engine``);
@@ -10,7 +10,10 @@ DeepSpeed offers no public way to do four things :mod:`ft_checkpoint.integration
 3. the parallel sizes and configuration an engine runs with (``dp_world_size``, ``mp_world_size``,
    ``num_stages`` of a ``PipelineEngine``, ``zero_offload_*``, ``zero_nvme_offload_optimizer``);
 4. load DeepSpeed's optimizer files with ``weights_only=True``: they pickle a few DeepSpeed classes,
-   allowlisted here by exact module and name (:data:`SAFE_GLOBALS`).
+   allowlisted here by exact module and name (:data:`SAFE_GLOBALS`);
+5. have every rank stage the model states file that one data-parallel rank writes for all under ZeRO 0-2
+   (``engine.save_non_zero_checkpoint``, set in ``_configure_checkpointing``), for a fast-tier part that
+   loads its rank on its own.
 
 ``tests/deepspeed/test_deepspeed_internals.py`` exercises every one of them against the installed
 DeepSpeed and fails, naming this module, when a release changes one. :data:`TESTED` is the range of
@@ -23,10 +26,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import re
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 TESTED = ((0, 17, 1), (0, 20, 0))
@@ -150,3 +155,22 @@ def files_to_read(engine: Any, load_dir: str, tag: str, saved_dp: int) -> list[s
         else:
             names.append(engine._get_zero_ckpt_name(load_dir, tag))
     return [os.path.relpath(n, os.path.join(load_dir, tag)) for n in names]
+
+
+# -- a rank's files on their own -------------------------------------------------------------------
+def writes_model_states(engine: Any) -> bool:
+    """Whether this rank writes a model states file at ``save_checkpoint`` (ZeRO 0-2: data-parallel rank 0;
+    ZeRO-3: every rank its own)."""
+    return bool(engine.save_non_zero_checkpoint)
+
+
+@contextlib.contextmanager
+def model_states_on_every_rank(engine: Any) -> Iterator[None]:
+    """Within it, ``save_checkpoint`` has this rank write the model states file too (``_save_checkpoint`` builds it
+    on every rank and writes it where the flag is set; the flag is restored afterwards)."""
+    before = engine.save_non_zero_checkpoint
+    engine.save_non_zero_checkpoint = True
+    try:
+        yield
+    finally:
+        engine.save_non_zero_checkpoint = before

@@ -114,13 +114,39 @@ class DeepSpeedState:
     # -- saving --------------------------------------------------------------------------------
     def stage_files(self) -> dict[str, Callable[[Any], None]]:
         """Run the engine's ``save_checkpoint`` into host copies; ``{file name: writer}`` (every rank)."""
+        return self._stage(standalone=False)[0]
+
+    @property
+    def stands_alone(self) -> bool:
+        """Whether :meth:`stage_part` can give this rank's files alone (a fast-tier part): not for pipeline or
+        expert parallelism, nor ZeRO's elastic checkpoints (a rank reads every rank's partition there)."""
+        return not (internals.is_pipeline(self.engine) or internals.has_moe(self.engine)
+                    or (self.engine.zero_optimization() and self.engine.zero_elastic_checkpoint()))
+
+    def stage_part(self) -> tuple[dict[str, Callable[[Any], None]], dict[str, Callable[[Any], None]]]:
+        """:meth:`stage_files` for a save that also writes this rank's fast-tier part: ``(this rank's files of the
+        step, the files its part holds besides)``. Besides: the model states file, which one data-parallel rank
+        writes for all under ZeRO 0-2 and every rank stages here from its own replica of the module, so that its
+        part alone loads it (every rank).
+
+        Example:
+            >>> own, extra = DeepSpeedState(engine).stage_part()   # doctest: +SKIP
+            >>> sorted(extra)                                       # doctest: +SKIP
+            ['mp_rank_00_model_states.pt']
+        """
+        return self._stage(standalone=True)
+
+    def _stage(self, *, standalone: bool) -> tuple[dict[str, Callable[[Any], None]], dict[str, Callable[[Any], None]]]:
         root = os.path.join(self._save_dir, STAGING_TAG)
         capture = _Capture(root, self.prefix)
-        with self._checkpoint_engine.capturing(capture):
+        writes_model = internals.writes_model_states(self.engine)
+        everyone = internals.model_states_on_every_rank(self.engine) if standalone else contextlib.nullcontext()
+        with self._checkpoint_engine.capturing(capture), everyone:
             self.engine.save_checkpoint(self._save_dir, tag=STAGING_TAG, client_state=self._client_state(),
                                         save_latest=False, exclude_frozen_parameters=self.exclude_frozen_parameters)
-        staged = self._stager.stage(capture.files)
-        return {name: _writer(obj) for name, obj in staged.items()}
+        staged = {name: _TorchSave(obj) for name, obj in self._stager.stage(capture.files).items()}
+        extra = set() if writes_model else {name for name in staged if _is_model_states(name[len(self.prefix):])}
+        return ({n: w for n, w in staged.items() if n not in extra}, {n: w for n, w in staged.items() if n in extra})
 
     def _client_state(self) -> dict[str, Any]:
         """The user's client state, plus what DeepSpeed's ``ds_to_universal`` converter requires of a checkpoint
@@ -381,8 +407,31 @@ def _agree(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def _writer(obj: Any) -> Callable[[Any], None]:
-    return lambda f: torch.save(obj, f)
+class _TorchSave:
+    """Writes a staged file with ``torch.save``; ``nbytes``: its tensors' bytes (what a fast tier must hold)."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+        self.nbytes = sum(t.numel() * t.element_size() for t in _tensors(obj))
+
+    def __call__(self, f: Any) -> None:
+        torch.save(self.obj, f)
+
+
+def _tensors(node: Any) -> Iterator[torch.Tensor]:
+    if isinstance(node, torch.Tensor):
+        yield node
+    elif isinstance(node, Mapping):
+        for value in node.values():
+            yield from _tensors(value)
+    elif isinstance(node, (list, tuple)):
+        for value in node:
+            yield from _tensors(value)
+
+
+def _is_model_states(name: str) -> bool:
+    m = internals.DS_FILE_RE.fullmatch(name)
+    return m is not None and m.group(1) == "model"
 
 
 # -- staging ---------------------------------------------------------------------------------------------

@@ -170,11 +170,14 @@ class CheckpointEngine:
              manifest_fields: dict[str, Any] | None = None, listener: SaveListener | None = None,
              called_at: float | None = None,
              files: Mapping[str, FileWriter] | Callable[[], Mapping[str, FileWriter]] | None = None,
-             durable: bool = True, tier_write: Callable[[dict[str, Any]], Any] | None = None) -> SaveStats:
+             durable: bool = True, tier_write: Callable[[dict[str, Any]], Any] | None = None,
+             owned: Mapping[str, Any] | None = None) -> SaveStats:
         """Stage ``tree`` (tensors and plain values) and write it as step ``step``; returns once staged.
 
         ``per_rank`` is state kept in this rank's own file (RNG states, values that differ by rank), never
-        deduplicated across ranks. ``manifest_fields`` (epoch, metadata) go into the manifest. ``files``
+        deduplicated across ranks; ``owned`` is more of it, made for this save and referenced nowhere else (the RNG
+        states just taken), so kept as it is, without the copy that protects ``per_rank`` from later changes.
+        ``manifest_fields`` (epoch, metadata) go into the manifest. ``files``
         are this rank's files of its own (names unique across ranks), each written in the background by
         its writer (``fn(f)`` writes into ``f``; it must use only what was staged before this call), with
         its size and CRC-32C in the manifest like every other file. A callable ``files`` is called (on this
@@ -198,7 +201,8 @@ class CheckpointEngine:
         own = files() if callable(files) else files
         defer = snapshot.deferrable(tensors) if self.lazy and not own else set()  # DeepSpeed's files: eager
         copies = self._stager.stage(tensors, defer=defer)
-        staged = {"tensors": copies, "rank_file": _freeze(skeleton, per_rank or {}), "files": dict(own or {})}
+        staged = {"tensors": copies, "rank_file": (_freeze(skeleton, per_rank or {}), dict(owned or {})),
+                  "files": dict(own or {})}
         stats = SaveStats(step=step, stall=0.0, waited=waited, durable=durable)
         lazy = self._start_lazy({k: tensors[k] for k in defer}, copies, stats) if defer else None
         stats.stall = time.perf_counter() - t0
@@ -283,7 +287,7 @@ class CheckpointEngine:
                 staged["lazy"] = lazy
                 if (tier_write is not None or not stats.durable) and self._torn(stats, lazy.verdict()):
                     return stats  # the fast tier commits on its own: it writes only a settled snapshot
-            staged["rank_file"] = _serialize(staged["rank_file"])
+            staged["rank_file"] = _serialize(*staged["rank_file"])
             if tier_write is not None:
                 tier_write(staged)
             if not stats.durable:
@@ -335,7 +339,7 @@ class CheckpointEngine:
         tensors = staged["tensors"]
         prints = {k: fingerprint(t) for k, t in tensors.items() if type(t).__name__ != "DTensor"}
         shared = self._agree(step, lambda: (self._write_rank_file(rel, staged["rank_file"]), prints,
-                                            self._write_files(rel, staged["files"])), gather=True)
+                                            write_own_files(self.storage, rel, staged["files"])), gather=True)
         _check_replicated([p for _, p, _ in shared])
         own = _unique_files([f for _, _, f in shared])
         writer = shards.ShardWriter(self.storage, rel, rank=g.rank, writers=self.writers, sinks=self._sinks(),
@@ -416,17 +420,6 @@ class CheckpointEngine:
         """The writer processes' pids (``writer="process"``, once a save started them)."""
         return [p.pid for p in self._processes]
 
-    def _write_files(self, rel: str, files: dict[str, FileWriter]) -> dict[str, layout.FileEntry]:
-        """This rank's files of its own (see :meth:`save`): their entries for the manifest."""
-        out = {}
-        for name, produce in files.items():
-            if not layout.is_plain_name(name) or _reserved(name):
-                raise ConfigError(f"a state's own file may not be named {name!r}: use a plain name that is not "
-                                  "one of ft-checkpoint's (manifest.json, metadata.json, rank_*.pt, *.distcp)")
-            size, crc = self.storage.write_stream(f"{rel}/{name}", produce)
-            out[name] = layout.FileEntry(size=size, checksum=checksum.format_crc(crc))
-        return out
-
     def _write_rank_file(self, rel: str, data: bytes) -> tuple[str, layout.FileEntry]:
         try:
             torch.load(io.BytesIO(data), weights_only=True)
@@ -440,6 +433,18 @@ class CheckpointEngine:
 
 FileWriter = Callable[[Any], None]
 """Writes one file's bytes into the file object it is given (``torch.save(obj, f)``, ``f.write(...)``)."""
+
+
+def write_own_files(storage: Storage, rel: str, files: Mapping[str, FileWriter]) -> dict[str, layout.FileEntry]:
+    """Write a rank's files of its own (see :meth:`CheckpointEngine.save`) into ``rel``: their manifest entries."""
+    out = {}
+    for name, produce in files.items():
+        if not layout.is_plain_name(name) or _reserved(name):
+            raise ConfigError(f"a state's own file may not be named {name!r}: use a plain name that is not "
+                              "one of ft-checkpoint's (manifest.json, metadata.json, rank_*.pt, *.distcp)")
+        size, crc = storage.write_stream(f"{rel}/{name}", produce)
+        out[name] = layout.FileEntry(size=size, checksum=checksum.format_crc(crc))
+    return out
 
 
 def _reserved(name: str) -> bool:
@@ -465,10 +470,13 @@ def _freeze(skeleton: Any, per_rank: dict[str, Any]) -> bytes:
     return pickle.dumps({"skeleton": skeleton, "per_rank": per_rank}, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _serialize(frozen: bytes) -> bytes:
-    """The rank file (``torch.save``) of what :func:`_freeze` took (on the writer thread; our own bytes)."""
+def _serialize(frozen: bytes, owned: Mapping[str, Any]) -> bytes:
+    """The rank file (``torch.save``) of what :func:`_freeze` took and the per-rank values the save ``owned`` (on the
+    writer thread; our own bytes)."""
+    data = pickle.loads(frozen)
+    data["per_rank"].update(owned)
     buf = io.BytesIO()
-    torch.save(pickle.loads(frozen), buf)
+    torch.save(data, buf)
     return buf.getvalue()
 
 

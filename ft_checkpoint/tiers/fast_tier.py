@@ -157,13 +157,15 @@ class FastTier:
                            last_save_time=last.started if last else None, last_stall=last.stall if last else None,
                            last_duration=last.duration if last else None, save_in_flight=in_flight, preempted=False)
 
-    def check_room(self, tree: Mapping[str, Any]) -> None:
+    def check_room(self, tree: Mapping[str, Any], files: Mapping[str, Any] | None = None) -> None:
         """At the first fast-tier save (every rank, training thread): ConfigError on every rank if a node's fast
-        tier cannot hold what it will keep (see ``room``)."""
+        tier cannot hold what it will keep (see ``room``). ``files``: the state's own staged files of this rank's
+        part (their writers' ``nbytes``)."""
         if self._room_checked:
             return
         tensors, _ = split_tree(tree)
         mine = sum(padded(t.numel() * t.element_size()) for t in local_part(tensors)[0].values()) + room.RANK_FILE_ALLOWANCE
+        mine += sum(padded(getattr(w, "nbytes", 0)) + room.RANK_FILE_ALLOWANCE for w in (files or {}).values())
         parts = self.groups.all_gather(mine)
         need = room.room_needed(self.ring, parts, node=self.node, replicas=self.replicas)
         problem = room.room_problem(self.dirpath, need=need, free=room.free_bytes(self.dirpath, self.folder.root),
@@ -180,9 +182,12 @@ class FastTier:
         self.last = FastSave(step=step, started=time.monotonic() - stall, stall=stall)
         return self.last
 
-    def writer(self, save: FastSave, fields: dict[str, Any], *, writers: int) -> Callable[[Mapping[str, Any]], bool]:
-        """What the engine's writer thread runs for this save, from the staged copy (the engine's ``tier_write``)."""
-        return lambda staged: self.write(save, staged, fields, writers)
+    def writer(self, save: FastSave, fields: dict[str, Any], *, writers: int,
+               part_only: Mapping[str, Any] | None = None) -> Callable[[Mapping[str, Any]], bool]:
+        """What the engine's writer thread runs for this save, from the staged copy (the engine's ``tier_write``).
+        ``part_only``: staged files this rank's part holds besides the step's own (filled in by the time it runs)."""
+        return lambda staged: self.write(save, {**staged, "files": {**staged.get("files", {}), **(part_only or {})}},
+                                         fields, writers)
 
     def write(self, save: FastSave, staged: Mapping[str, Any], fields: dict[str, Any], writers: int) -> bool:
         """Write, copy and commit ``save.step`` from ``staged`` (the writer thread, every rank), then delete the
@@ -219,7 +224,8 @@ class FastTier:
         tensors, sharding = local_part(staged["tensors"])
         manifest = write_rank_step(self.folder.storage(self.rank), step, tensors, staged["rank_file"], rank=self.rank,
                                    world_size=self.ring.world_size, save=self.attempt, node=self.node,
-                                   sharding=sharding, writers=writers, fields=fields, signer=self.signer)
+                                   sharding=sharding, writers=writers, fields=fields, signer=self.signer,
+                                   files=staged.get("files"))
         if self.last is not None and self.last.step == step:
             self.last.bytes = manifest.total_bytes
 

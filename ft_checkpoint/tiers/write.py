@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from ft_checkpoint.errors import SaveError
 from ft_checkpoint.format import layout, shards
 from ft_checkpoint.format.signing import Signer
-from ft_checkpoint.save.engine import versions
+from ft_checkpoint.save.engine import FileWriter, versions, write_own_files
 from ft_checkpoint.save.staging import _is_dtensor
 from ft_checkpoint.store.storage import Storage
 
@@ -57,9 +57,11 @@ def local_part(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Ten
 
 def write_rank_step(storage: Storage, step: int, tensors: Mapping[str, torch.Tensor], rank_file: bytes, *, rank: int,
                     world_size: int, save: str, node: str = "", sharding: dict[str, Any] | None = None,
-                    writers: int = 1, fields: dict[str, Any] | None = None, signer: Signer | None = None
-                    ) -> layout.Manifest:
+                    writers: int = 1, fields: dict[str, Any] | None = None, signer: Signer | None = None,
+                    files: Mapping[str, FileWriter] | None = None) -> layout.Manifest:
     """Write rank ``rank``'s part of ``step`` (plain tensors: see :func:`local_part`) and commit it with its manifest.
+
+    ``files``: the state's own files of this rank's part (a DeepSpeed engine's), each written by its writer.
 
     ``fields`` are the durable manifest's (epoch, metadata); with a ``signer`` the manifest is signed as a durable
     one is (the same key and run: a resume checks it the same way). What an interrupted write of the step left is
@@ -72,11 +74,12 @@ def write_rank_step(storage: Storage, step: int, tensors: Mapping[str, torch.Ten
     dcp.save(dict(tensors), storage_writer=writer, no_dist=True)
     name = layout.rank_file(0)
     storage.write_bytes(f"{rel}/{name}", rank_file, atomic=False)
-    files = {**writer.files, name: layout.FileEntry(size=len(rank_file), checksum=layout.checksum([rank_file]))}
+    entries = {**writer.files, **write_own_files(storage, rel, files or {}),
+               name: layout.FileEntry(size=len(rank_file), checksum=layout.checksum([rank_file]))}
     fields = dict(fields or {})
     own = {"rank": rank, "world_size": world_size, "save": save, "node": node, "sharding": sharding or {}}
     fields["metadata"] = {**(fields.get("metadata") or {}), FAST_TIER: own}
-    manifest = layout.Manifest(step=step, world_size=1, files=files, versions=versions(), **fields)
+    manifest = layout.Manifest(step=step, world_size=1, files=entries, versions=versions(), **fields)
     if signer is not None:
         manifest = signer.sign(manifest)
     storage.write_bytes(f"{rel}/{layout.MANIFEST}", manifest.to_json())

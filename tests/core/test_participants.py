@@ -76,3 +76,45 @@ def test_two_parts_staging_the_same_file_name_is_an_error(tmp_path):
     with CheckpointManager(str(tmp_path / "ckpt"), interval=1) as ckpt:
         with pytest.raises(ConfigError, match="stages a file named 'same.pt'"):
             ckpt.save(1, {"a": Tensors("same.pt", x=torch.zeros(1)), "b": Tensors("same.pt", y=torch.zeros(1))})
+
+
+class Standalone(Tensors):
+    """A part whose rank also needs a file another rank writes for all (DeepSpeed's model states under ZeRO 0-2):
+    ``shared.pt`` goes to the fast-tier part only."""
+
+    stands_alone = True
+
+    def stage_part(self):
+        staged = {k: v.clone() for k, v in self.tensors.items()}
+        return {self.name: lambda f: torch.save(staged, f)}, {"shared.pt": lambda f: torch.save({"n": 7}, f)}
+
+    def load_files(self, read):
+        super().load_files(read)
+        self.shared = torch.load(io.BytesIO(read("shared.pt")), weights_only=True) if "shared.pt" in read.names else None
+
+
+def test_a_part_that_stands_alone_goes_to_the_fast_tier_with_its_extra_files_and_resumes_from_there(tmp_path):
+    url, fast = str(tmp_path / "ckpt"), str(tmp_path / "fast")
+    with CheckpointManager(url, interval=100, fast_dirpath=fast, fast_interval=1) as ckpt:
+        ckpt.maybe_save(1, {"extra": Standalone("extra.pt", a=torch.arange(3.0))})
+        ckpt.maybe_save(2, {"extra": Standalone("extra.pt", a=torch.arange(3.0) + 2)})
+        ckpt.wait()
+        part = layout.read_manifest(ckpt.fast.folder.storage(0), 2)
+        assert {"extra.pt", "shared.pt"} <= set(part.files), "the part holds the file the step's rank writes for all"
+        ckpt.close(clean=False)
+    assert layout.committed_steps(Storage(url)) == [], "only the fast tier was due"
+    resumed = {"extra": Standalone("extra.pt")}
+    with CheckpointManager(url, fast_dirpath=fast, fast_interval=1) as ckpt:
+        assert ckpt.resume(resumed) == 2 and ckpt.resumed_source == "fast tier, own node"
+        ckpt.close(final=False)
+    assert torch.equal(resumed["extra"].tensors["a"], torch.arange(3.0) + 2) and resumed["extra"].shared == {"n": 7}
+
+
+def test_a_part_that_does_not_stand_alone_is_saved_to_the_durable_tier_only(tmp_path, caplog):
+    url = str(tmp_path / "ckpt")
+    with CheckpointManager(url, interval=100, fast_dirpath=str(tmp_path / "fast"), fast_interval=1) as ckpt:
+        ckpt.maybe_save(1, {"extra": Tensors("extra.pt", a=torch.zeros(2))})
+        ckpt.wait()
+        assert ckpt.fast.committed is None
+    assert layout.committed_steps(Storage(url)) == [1]
+    assert "this run saves to the durable tier only" in caplog.text

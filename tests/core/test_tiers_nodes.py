@@ -36,20 +36,20 @@ SCRIPT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "helpers", "ti
 OWN, PEER = "fast tier, own node", "fast tier, peer copies"
 
 
-def run_chain(tmp_path, model: str, steps: int, crashes: list[str], refuse: list[int]) -> jobs.Finished:
+def run_chain(tmp_path, model: str, steps: int, crashes: list[str], refuse: list[int], nproc: int = 2) -> jobs.Finished:
     nodes = [{"FT_TEST_NODE": node, "FT_CHECKPOINT_FAST_DIRPATH": str(tmp_path / f"fast-{node}"),
               "FT_CHECKPOINT_DIRPATH": f"faulty://{tmp_path}/ckpt", "FT_CHECKPOINT_INTERVAL": "3",
-              "FT_CHECKPOINT_FAST_INTERVAL": "1"} for node in "AB"]
+              "FT_CHECKPOINT_FAST_INTERVAL": "1", "DS_ACCELERATOR": "cpu"} for node in "AB"]
     out = tmp_path / "out"
     return jobs.run_nodes(SCRIPT, out, "--model", model, "--steps", steps, "--crashes", ";".join(crashes),
-                          "--refuse", ",".join(map(str, refuse)), out=out, nodes=nodes, restarts=len(crashes),
-                          timeout=540).expect(0)
+                          "--refuse", ",".join(map(str, refuse)), out=out, nodes=nodes, nproc=nproc,
+                          restarts=len(crashes), timeout=540).expect(0)
 
 
-def check_resumes(job: jobs.Finished, expected: list[tuple[int, str]]) -> None:
+def check_resumes(job: jobs.Finished, expected: list[tuple[int, str]], ranks: int = 4) -> None:
     """Each attempt after the first resumed ``(step, source)`` on every rank, bit-identical to the state the job
     had at that step."""
-    for rank in range(4):
+    for rank in range(ranks):
         resumed = [(r["step"], r["source"]) for r in job.where(event="resumed", rank=rank)]
         got = [(step, "durable" if source.startswith("faulty://") else source) for step, source in resumed[1:]]
         assert got == expected, f"rank {rank}: {got}\n{job.explain()}"
@@ -79,3 +79,15 @@ def test_ddp_resumes_from_the_fastest_source_each_failure_left(tmp_path):
 def test_fsdp2_resumes_its_shards_from_the_fastest_source_each_failure_left(tmp_path):
     job = run_chain(tmp_path, "fsdp2", 12, ["5", "7:lose=B", "8:lose=A+B", "10:die-copying"], refuse=[1, 2, 4])
     check_resumes(job, [(5, OWN), (7, PEER), (6, "durable"), (9, PEER)])
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_a_deepspeed_engine_resumes_from_the_fastest_source_each_failure_left(tmp_path, zero):
+    """ZeRO-2 (one rank writes the model states file for all: each rank's part holds a copy staged from its own
+    replica) and ZeRO-3 (each rank its own), one rank per node; the durable tier's DeepSpeed files refused too."""
+    pytest.importorskip("deepspeed")
+    job = run_chain(tmp_path, f"zero{zero}", 13, ["5", "7:lose=B", "9:lose=A+B", "11:die-copying"], refuse=[1, 2, 4],
+                    nproc=1)
+    check_resumes(job, [(5, OWN), (7, PEER), (9, "durable"), (10, PEER)], ranks=2)
+    parts = {name for node in "AB" for _, _, files in os.walk(tmp_path / f"fast-{node}") for name in files}
+    assert not parts, "a clean end cleans the fast tier"

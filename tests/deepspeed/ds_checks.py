@@ -120,6 +120,20 @@ def internals_checks(tmp: str) -> None:
 
         check(f"zero{zero}: save_checkpoint's calls")(save_protocol)
 
+        def model_states_on_every_rank():  # a rank that does not write them (dp rank > 0) made to, then restored
+            engine.save_non_zero_checkpoint = False
+            recorder.calls.clear()
+            engine.save_checkpoint(save_dir, tag="U", save_latest=False)
+            without = f"save {model}" in recorder.calls or internals.writes_model_states(engine)
+            recorder.calls.clear()
+            with internals.model_states_on_every_rank(engine):
+                engine.save_checkpoint(save_dir, tag="V", save_latest=False)
+            restored = internals.writes_model_states(engine) is False
+            engine.save_non_zero_checkpoint = True
+            return (not without and f"save {model}" in recorder.calls and restored) or (without, recorder.calls)
+
+        check(f"zero{zero}: model states file on every rank")(model_states_on_every_rank)
+
         def needs_stand_ins():  # the model files are found with glob: without files there, nothing is read
             recorder.calls.clear()
             try:

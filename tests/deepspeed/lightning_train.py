@@ -34,7 +34,9 @@ class Record(pl.Callback):
         self.out, self.ft, self.kill_at = out, ft, kill_at
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        line = {"rank": trainer.global_rank, "global_step": trainer.global_step, "resumed_from": self.ft.resumed_from}
+        source = self.ft.manager.resumed_source if self.ft.manager is not None else None
+        line = {"rank": trainer.global_rank, "global_step": trainer.global_step, "resumed_from": self.ft.resumed_from,
+                "source": source}
         with open(os.path.join(self.out, "runs.jsonl"), "a") as f:
             f.write(json.dumps(line) + "\n")
 

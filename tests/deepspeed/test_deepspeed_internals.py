@@ -16,7 +16,7 @@ CHECKS = ["version in TESTED", "safe globals resolve to DeepSpeed's classes", "c
     f"zero{zero}: {what}" for zero in (1, 2, 3) for what in (
         "default checkpoint engine is torch's", "sizes, stage, offload", "files a load reads",
         "save_checkpoint and load_checkpoint take our arguments", "save_checkpoint's calls",
-        "load_checkpoint lists model files with glob")]
+        "load_checkpoint lists model files with glob", "model states file on every rank")]
 
 
 @pytest.fixture(scope="module")

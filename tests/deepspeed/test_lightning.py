@@ -22,9 +22,9 @@ pytest.importorskip("lightning")
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lightning_train.py")
 
 
-def job(tmp_path, name: str, stage: int, *args, killed: bool = False) -> None:
+def job(tmp_path, name: str, stage: int, *args, killed: bool = False, env: dict[str, str] | None = None) -> None:
     jobs.run(SCRIPT, tmp_path / f"{name}-ckpt", tmp_path / name, "--stage", stage, *args, new_session=True,
-             env={**ENV, "PYTHONWARNINGS": "ignore"}, timeout=TIMEOUT).expect(-9 if killed else 0)
+             env={**ENV, "PYTHONWARNINGS": "ignore", **(env or {})}, timeout=TIMEOUT).expect(-9 if killed else 0)
 
 
 def batches(out, rank: int) -> dict[int, list[int]]:
@@ -51,17 +51,24 @@ def test_the_cpu_bypass_still_matches_lightning():
     assert "parallel_devices" in inspect.signature(DeepSpeedStrategy).parameters
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_deepspeed_strategy_killed_mid_epoch_resumes_bit_exact(tmp_path, stage):
+@pytest.mark.parametrize("stage,fast", [(1, False), (2, False), (3, False), (2, True)],
+                         ids=["stage1", "stage2", "stage3", "stage2-fast-tier"])
+def test_deepspeed_strategy_killed_mid_epoch_resumes_bit_exact(tmp_path, stage, fast):
+    """With ``fast``: a fast tier saved at every step (the durable tier every 3): the resume takes the killed step
+    from it."""
     kill_at = random.Random(f"{SEED}-lightning-{stage}").randint(8, 15)  # epoch 1 of 6 steps per epoch
+    env = {"FT_CHECKPOINT_FAST_DIRPATH": str(tmp_path / "fast"), "FT_CHECKPOINT_FAST_INTERVAL": "1"} if fast else {}
     job(tmp_path, "ref", stage)
-    job(tmp_path, "out", stage, "--kill-at", kill_at, killed=True)
-    job(tmp_path, "out", stage)
+    job(tmp_path, "out", stage, "--kill-at", kill_at, killed=True, env=env)
+    job(tmp_path, "out", stage, env=env)
     with open(tmp_path / "out" / "runs.jsonl") as f:
         runs = [json.loads(line) for line in f]
     resumed = [r["resumed_from"] for r in runs if r["resumed_from"] is not None]
     assert len(runs) == 4 and len(resumed) == 2 and len(set(resumed)) == 1, (kill_at, runs)
     assert 0 < resumed[0] <= kill_at, (kill_at, runs)
+    if fast:
+        sources = {r["source"] for r in runs if r["resumed_from"] is not None}
+        assert resumed[0] > kill_at - 3 and sources == {"fast tier, own node"}, (kill_at, runs)
     for rank in (0, 1):
         got = torch.load(tmp_path / "out" / f"final.rank{rank}.pt", weights_only=True)
         want = torch.load(tmp_path / "ref" / f"final.rank{rank}.pt", weights_only=True)

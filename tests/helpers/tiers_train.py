@@ -1,6 +1,7 @@
-"""A training job for the fast-tier tests, run as 2 "nodes" of 2 ranks (``jobs.run_nodes``), DDP or FSDP2 on CPU.
+"""A training job for the fast-tier tests, run as 2 "nodes" (``jobs.run_nodes``): DDP, FSDP2 or a DeepSpeed engine
+(ZeRO 1-3) on CPU.
 
-    tiers_train.py OUT --model ddp|fsdp2 --steps N --crashes "5;7:lose=B;8:flip=own;13:die-copying" --refuse 1,2
+    tiers_train.py OUT --model ddp|fsdp2|zero1|zero2|zero3 --steps N --crashes "5;7:lose=B;8:flip=own;13:die-copying" --refuse 1,2
 
 Settings come from the environment as a user's would: ``FT_CHECKPOINT_DIRPATH``, ``FT_CHECKPOINT_FAST_DIRPATH``
 (each node its own folder), ``FT_CHECKPOINT_INTERVAL``, ``FT_CHECKPOINT_FAST_INTERVAL``; ``FT_TEST_NODE`` names
@@ -85,10 +86,29 @@ class Training:
         self.optim.step()
 
 
-def digest(state: dict) -> str:
+class DeepSpeedTraining:
+    """A DeepSpeed engine (``tests/deepspeed/ds_train.py``'s model, Adam and schedule) at ZeRO stage ``zero``, in the
+    state as the bare engine (the manager wraps it by itself)."""
+
+    def __init__(self, zero: int) -> None:
+        from tests.deepspeed import ds_train
+
+        self.ds, self.engine = ds_train, ds_train.make_engine(zero)
+
+    def step(self, step: int, rank: int) -> None:
+        self.ds.train_step(self.engine, step)
+
+    def fingerprint(self) -> dict:
+        """Module, this rank's ZeRO optimizer state, step counters and LR (not the RNG: see :func:`digest`)."""
+        out = self.ds.fingerprint(self.engine)
+        out.pop("rng")
+        return out
+
+
+def digest(state: dict, training) -> str:
     """Every tensor's bytes (a DTensor's local shard), every other value of the state, and the RNG, hashed."""
     h = hashlib.sha256(torch.get_rng_state().numpy().tobytes())
-    flat = toy.flat(state["training"])
+    flat = training.fingerprint() if hasattr(training, "fingerprint") else toy.flat(state["training"])
     for key in sorted(flat):
         value = flat[key]
         if isinstance(value, torch.Tensor):
@@ -154,7 +174,7 @@ def parse_crash(text: str) -> tuple[int | None, dict[str, list[str]]]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
-    p.add_argument("--model", choices=("ddp", "fsdp2"), default="ddp")
+    p.add_argument("--model", choices=("ddp", "fsdp2", "zero1", "zero2", "zero3"), default="ddp")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--crashes", default="")
     p.add_argument("--refuse", default="")
@@ -163,20 +183,26 @@ def main() -> None:
     attempt, crashes = attempt_index(), args.crashes.split(";")
     crash_at, how = parse_crash(crashes[attempt] if attempt < len(crashes) else "")
     rank, world = dist.get_rank(), dist.get_world_size()
-    training = Training(build(args.model, world))
-    state = {"training": training, "progress": {"step": 0}}
+    if args.model.startswith("zero"):
+        training = DeepSpeedTraining(int(args.model[4:]))
+        state = {"training": training.engine, "progress": {"step": 0}}
+    else:
+        training = Training(build(args.model, world))
+        state = {"training": training, "progress": {"step": 0}}
     torch.manual_seed(100 + rank)
     if "die-copying" in how and os.environ["FT_TEST_NODE"] == "B":
         die_while_copying(crash_at)  # type: ignore[arg-type]
-    refused = {"refuse_reads": ["*.distcp", "rank_*.pt", "metadata.json"]} if str(attempt) in args.refuse.split(",") else {}
+    data = ["*.distcp", "rank_*.pt", "metadata.json", "*_states.pt"]  # the last: DeepSpeed's files
+    refused = {"refuse_reads": data} if str(attempt) in args.refuse.split(",") else {}
     with CheckpointManager(preemption_signals=(), storage_options=refused) as ckpt:
         start = ckpt.resume(state) or 0
-        report(args.out, event="resumed", attempt=attempt, step=start, source=ckpt.resumed_source, digest=digest(state))
+        report(args.out, event="resumed", attempt=attempt, step=start, source=ckpt.resumed_source,
+               digest=digest(state, training))
         for step in range(start + 1, args.steps + 1):
             training.step(step, rank)
             state["progress"]["step"] = step
             ckpt.maybe_save(step, state)
-            report(args.out, event="step", attempt=attempt, step=step, digest=digest(state))
+            report(args.out, event="step", attempt=attempt, step=step, digest=digest(state, training))
             if step == crash_at and "die-copying" not in how:
                 ckpt.wait()
                 damage(ckpt, step, how.get("lose", []), how.get("flip", []))
