@@ -408,11 +408,15 @@ def _agree(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 
 class _TorchSave:
-    """Writes a staged file with ``torch.save``; ``nbytes``: its tensors' bytes (what a fast tier must hold)."""
+    """Writes a staged file with ``torch.save``; ``nbytes``: its tensors' bytes (what a fast tier must hold, counted
+    only when asked: the first fast-tier save's room check)."""
 
     def __init__(self, obj: Any) -> None:
         self.obj = obj
-        self.nbytes = sum(t.numel() * t.element_size() for t in _tensors(obj))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in _tensors(self.obj))
 
     def __call__(self, f: Any) -> None:
         torch.save(self.obj, f)
