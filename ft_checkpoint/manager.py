@@ -314,9 +314,13 @@ class CheckpointManager:
             StateMismatchError: ``step`` is not above every step committed in the directory (a restarted
                 counter, or a run pointed at another run's directory); or a key of ``state`` holds a tensor on
                 some ranks and another type on others (raised here, on every rank, naming the key and types).
+            ConfigError: ``metadata`` nests deeper than a manifest may hold (32 levels).
         """
         self._check_open()
         self._check_step_is_new(step)
+        if metadata is not None and not layout.nests_within(metadata, layout.MAX_METADATA_DEPTH):
+            raise ConfigError(f"save(metadata=...) nests deeper than {layout.MAX_METADATA_DEPTH} levels, more than a "
+                              "manifest may hold (a resume would refuse the step). HINT: flatten it")
         self._announce_start()
         called_at = time.perf_counter()
         self.journal.progress(step, force=True)

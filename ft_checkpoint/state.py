@@ -292,10 +292,28 @@ def merge_tree(skeleton: Any, tensors: Mapping[str, torch.Tensor], path: Path = 
 MAX_DEPTH = 200
 """The deepest nesting of dicts, lists and tuples a saved state may have (the functions here recurse)."""
 
+MAX_REPEATED = 1_000_000
+"""How many more objects than it holds a saved state may present to a walk through its shared parts. A state
+file that ft-checkpoint writes is a tree (:func:`split_tree` rebuilds every container), so it presents each object
+once; a forged one of a few KB can nest one list twice in the next, 60 times over: 2**60 objects to a walk."""
 
-def check_depth(tree: Any, limit: int = MAX_DEPTH) -> None:
-    """Raise CheckpointCorruptError if ``tree`` nests dicts, lists and tuples deeper than ``limit`` (a forged
-    state file; walking it would exhaust the stack). Iterative, so any depth is checked.
+
+def _children(node: Any) -> Any:
+    """The values of a dict, list or tuple (of any subclass); None for anything else."""
+    kind = type(node)
+    if kind is list or kind is tuple:
+        return node
+    if kind is dict or isinstance(node, Mapping):
+        return node.values()
+    return node if isinstance(node, (list, tuple)) else None
+
+
+def check_depth(tree: Any, limit: int = MAX_DEPTH, repeated: int = MAX_REPEATED) -> None:
+    """Raise CheckpointCorruptError if ``tree`` nests dicts, lists and tuples deeper than ``limit``, or shares
+    its parts so that a walk of it (:func:`merge_tree`, :func:`none_keys`) would meet more than ``repeated``
+    objects beyond those it holds (a forged state file; walking it would exhaust the stack or the CPU).
+    Iterative, and each container is measured once, so any depth and any sharing is checked in the time of
+    one pass over what the file holds.
 
     Example:
         >>> check_depth({"model": {"w": [1, 2]}})
@@ -307,14 +325,38 @@ def check_depth(tree: Any, limit: int = MAX_DEPTH) -> None:
         ... except CheckpointCorruptError as e:
         ...     print(e)
         the state saved nests deeper than 200 levels
+        >>> wide = []
+        >>> for _ in range(60):
+        ...     wide = [wide, wide]
+        >>> try:
+        ...     check_depth(wide)
+        ... except CheckpointCorruptError as e:
+        ...     print(str(e)[:60])
+        the state saved repeats its parts: a walk of it would meet 2
     """
-    stack = [(tree, 0)]
+    measured: dict[int, tuple[int, int]] = {}  # id of a container -> (levels below it, objects a walk meets in it)
+    held = 1  # the objects a walk would meet if the file held a tree: the root and one per edge
+    stack: list[tuple[Any, int, bool]] = [(tree, 0, False)]
     while stack:
-        node, depth = stack.pop()
-        if depth > limit:
+        node, depth, done = stack.pop()
+        if depth > limit:  # also ends a cycle, which never gets measured
             raise CheckpointCorruptError(f"the state saved nests deeper than {limit} levels")
-        children = node.values() if isinstance(node, Mapping) else node if isinstance(node, (list, tuple)) else ()
-        stack.extend((child, depth + 1) for child in children)
+        children = _children(node)
+        if children is None or (not done and id(node) in measured):
+            continue
+        if not done:
+            stack.append((node, depth, True))
+            stack.extend((child, depth + 1, False) for child in children)
+            continue
+        below = [measured.get(id(child), (-1, 1)) for child in children]  # its containers were measured first
+        measured[id(node)] = (1 + max((levels for levels, _ in below), default=-1), 1 + sum(n for _, n in below))
+        held += len(children)
+    levels, met = measured.get(id(tree), (0, 1))
+    if levels > limit:
+        raise CheckpointCorruptError(f"the state saved nests deeper than {limit} levels")
+    if met - held > repeated:
+        raise CheckpointCorruptError(f"the state saved repeats its parts: a walk of it would meet {met} objects, "
+                                     f"{met - held} more than it holds")
 
 
 def none_keys(skeleton: Any, path: Path = ()) -> set[str]:

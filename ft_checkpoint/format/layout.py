@@ -80,6 +80,28 @@ def rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
 
 
+MAX_METADATA_DEPTH = 32
+"""The deepest nesting of objects and arrays a manifest's ``metadata`` may have (what a save records there is
+a few levels deep; a forged one of hundreds of levels made signing's and ``inspect``'s walks overflow)."""
+
+
+def nests_within(value: Any, levels: int) -> bool:
+    """Whether the JSON value ``value`` nests dicts and lists at most ``levels`` deep (iterative: any depth).
+
+    Example:
+        >>> nests_within({"a": [1, {"b": 2}]}, 3), nests_within({"a": [1, {"b": 2}]}, 2)
+        (True, False)
+    """
+    stack = [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list, tuple)):
+            if depth >= levels:
+                return False
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return True
+
+
 def is_plain_name(name: Any) -> bool:
     """Whether ``name`` is a plain file name inside a step directory (no path, no ``..``, not the manifest).
 
@@ -222,7 +244,8 @@ def _checked_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
                  "a finite number (seconds since the epoch)"),
         "versions": (lambda v: isinstance(v, dict) and all(isinstance(x, str) for kv in v.items() for x in kv),
                      "an object of strings"),
-        "metadata": (lambda v: isinstance(v, dict), "an object"),
+        "metadata": (lambda v: isinstance(v, dict) and nests_within(v, MAX_METADATA_DEPTH),
+                     f"an object nested at most {MAX_METADATA_DEPTH} levels"),
         "files": (lambda v: isinstance(v, dict), "an object of file entries"),
         "signature": (lambda v: v is None or is_signature(v),
                       'null or {"alg": "hmac-sha256", "run": <str>, "key_id": <16 hex>, "mac": <64 hex>}'),

@@ -109,7 +109,15 @@ class StepLoader:
         entry = manifest.files.get(name)
         if entry is None:
             raise CheckpointCorruptError(f"the manifest lists no {name}")
-        data = self.storage.read_bytes(f"{layout.step_dir(manifest.step)}/{name}")
+        rel = f"{layout.step_dir(manifest.step)}/{name}"
+        self.storage.refuse_sparse(rel, entry.size)
+        try:
+            data = self.storage.read_bytes(rel)
+        except StorageError as e:
+            if isinstance(e.__cause__, MemoryError):  # not an outage: retrying the step would fail the same way
+                raise CheckpointCorruptError(f"{name}: its {human_bytes(entry.size)} do not fit in this process's "
+                                             "memory; refusing the step") from e
+            raise
         if len(data) != entry.size or not checksum.matches(entry.checksum, [data]):
             raise CheckpointCorruptError(f"{name}: does not match its checksum (corrupted)")
         return data

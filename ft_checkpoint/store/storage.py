@@ -45,6 +45,7 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.memory import MemoryFileSystem
 
 from ft_checkpoint.errors import (
+    CheckpointCorruptError,
     ConfigError,
     FTCheckpointError,
     StorageError,
@@ -85,6 +86,9 @@ SINGLE_PUT_MAX = 100 << 20
 does below twice s3fs's 50 MiB part size); a larger one is streamed in parts,
 holding one part in memory. A multipart upload of a small file costs the server a reassembly, and two to three
 times the requests."""
+SPARSE_MIN_BYTES = 64 << 20
+SPARSE_RATIO = 64
+"""A step's file of at least SPARSE_MIN_BYTES with under 1/SPARSE_RATIO of them stored is refused as sparse."""
 GLOB_CHARACTERS = frozenset("*?[]")
 """Characters fsspec may expand as a pattern (``rm``, ``copy``, ``expand_path``): refused in a dirpath."""
 
@@ -621,6 +625,27 @@ class Storage:
         """Whether ``rel`` exists (file or directory)."""
         self.fs.invalidate_cache(self.path(rel))
         return self._call("check", rel, self.fs.exists, self.path(rel))
+
+    def refuse_sparse(self, rel: str, size: int) -> None:
+        """CheckpointCorruptError if ``rel``, a file of a step listed at ``size`` bytes, is on local disk a sparse
+        file of at least 64 MiB with under 1/64 of its size stored: holes that read as zeros, which cost whoever
+        forged the file nothing and whoever reads it whole (or hashes it) gigabytes or minutes. No file that
+        ft-checkpoint writes is sparse; a filesystem that compresses stores JSON, pickles and tensors in far
+        more than 1/64 of their size. Object stores hold every byte they list: nothing to check there.
+
+        Example:
+            >>> Storage("memory://doc/sparse").refuse_sparse("step_000000000001/metadata.json", 1 << 40)
+        """
+        if not self.is_local or size < SPARSE_MIN_BYTES:
+            return
+        try:
+            stored = os.lstat(self.path(rel)).st_blocks * 512
+        except (OSError, AttributeError):  # gone, or no st_blocks on this OS: the read that follows says so
+            return
+        if stored * SPARSE_RATIO < size:
+            raise CheckpointCorruptError(
+                f"{self.url_of(rel)}: listed at {size} bytes, of which {stored} are stored on disk (a sparse file, "
+                "which ft-checkpoint never writes: forged); refusing to read it")
 
     def delete_file(self, rel: str) -> None:
         """Delete one file (or object), literally: its name is never expanded as a glob pattern, a symbolic

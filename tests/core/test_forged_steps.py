@@ -156,6 +156,79 @@ def test_a_state_file_nested_too_deep_skips_the_step(tmp_path, caplog):
     resumed_twice(url, step1, caplog, "nests deeper than 200 levels")
 
 
+def test_a_state_file_of_shared_parts_skips_the_step_at_once(tmp_path, caplog):
+    """A 2 kB rank file whose per-rank state nests one list twice in the next, 60 times (pickle keeps one copy
+    of each): walking it as a tree meets 2**60 objects, and the resume spun at 100% CPU forever."""
+    url = str(tmp_path / "ckpt")
+    step1 = two_steps(url)
+    shared: list = []
+    for _ in range(60):
+        shared = [shared, shared]
+
+    def forge() -> None:
+        s = Storage(url)
+        rel = f"{layout.step_dir(2)}/{layout.rank_file(0)}"
+        rank_state = torch.load(io.BytesIO(s.read_bytes(rel)), weights_only=True)
+        rank_state["per_rank"]["state"] = {"loader": shared}
+        buf = io.BytesIO()
+        torch.save(rank_state, buf)
+        assert len(buf.getvalue()) < 100_000
+        replace_with_checksum(s, 2, layout.rank_file(0), buf.getvalue())
+
+    forge()
+    error, _ = under_hang_guard(lambda: resumed_twice(url, step1, caplog, "repeats its parts"))
+    assert error is None, error
+
+
+def make_sparse_with_checksum(url: str, step: int, name: str, size: int) -> None:
+    """Extend a file of a step to ``size`` bytes with holes (a few kB on disk) and list it in the manifest at
+    that size, with the CRC of what it now reads as: what anyone who can write the directory can do."""
+    path = os.path.join(url, layout.step_dir(step), name)
+    with open(path, "rb") as f:
+        data = f.read()
+    os.truncate(path, size)
+    pad = size - len(data)
+    crc = checksum.combine(checksum.crc32c_of(data), checksum.zeros(pad), pad)
+    rel = f"{layout.step_dir(step)}/{layout.MANIFEST}"
+    s = Storage(url)
+    manifest = json.loads(s.read_bytes(rel))
+    manifest["files"][name] = {"size": size, "checksum": checksum.format_crc(crc)}
+    s.write_bytes(rel, json.dumps(manifest).encode())
+
+
+@pytest.mark.parametrize("name", [layout.METADATA, layout.rank_file(0)])
+def test_a_sparse_small_file_of_a_gigabyte_is_refused_unread(tmp_path, caplog, name):
+    """metadata.json or a rank file made a 1 GiB sparse file (4 kB on disk) with its checksum recomputed: each
+    start read it whole (1 GiB of memory per rank; past the memory limit a MemoryError, taken for an outage,
+    stopped every start)."""
+    url = str(tmp_path / "ckpt")
+    two_steps(url)
+    make_sparse_with_checksum(url, 2, name, 1 << 30)
+    caplog.set_level(logging.WARNING, logger="ft_checkpoint")
+    answer, _, peak = guarded_resume(url)
+    assert answer == 1 and peak < 100e6, f"peak {peak / 1e6:.1f} MB"
+    assert "a sparse file" in next(r.getMessage() for r in caplog.records if "skipping step 2" in r.getMessage())
+    goes_on_past_step_2(url)
+
+
+def test_format1_a_sparse_shard_is_refused_unhashed(tmp_path, caplog):
+    """A format-1 shard made an 8 GiB sparse file: its SHA-256 over the holes took 18 s (40 min a TiB)."""
+    url = str(tmp_path / "ckpt")
+    step1 = make(seed=1)
+    write_legacy_step(url, 1, step1)
+    write_legacy_step(url, 2, make(seed=2))
+    shard = next(n for n in os.listdir(os.path.join(url, layout.step_dir(2))) if n.endswith(".distcp"))
+    os.truncate(os.path.join(url, layout.step_dir(2), shard), 8 << 30)
+    manifest_path = os.path.join(url, layout.step_dir(2), layout.MANIFEST)
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    manifest["files"][shard]["size"] = 8 << 30
+    with open(manifest_path, "w") as f:
+        json.dump(manifest, f)
+    error, _ = under_hang_guard(lambda: resumes_step_1(url, step1, caplog, "a sparse file"))
+    assert error is None, error
+
+
 def forge_legacy_metadata(url: str, edit) -> None:
     path = os.path.join(url, layout.step_dir(2), ".metadata")
     with open(path, "rb") as f:

@@ -347,3 +347,29 @@ def test_a_key_file_that_is_a_fifo_or_a_directory_is_a_config_error_not_a_hang(t
     build(tmp_path / "missing.key")
     assert [e.split(": ", 1)[1][:22] for e in errors] == ["not a regular file. HI", "not a regular file. HI",
                                                           "cannot read the key fi"], errors
+
+
+def test_a_manifest_with_deeply_nested_metadata_is_skipped_not_a_crash_loop(signed_run, caplog):
+    """600 levels of lists in the newest manifest's ``metadata`` (JSON parses up to ~990): checking its
+    signature walked it recursively, and every signed start crashed with RecursionError."""
+    url, saved = signed_run
+    forged = manifest_of(url, 2)
+    deep: list = []
+    for _ in range(600):
+        deep = [deep]
+    forged["metadata"]["x"] = deep
+    write_manifest(url, 2, forged)
+    resumes_skipping(url, caplog, saved, resumed=1, skipped=2, reason="nested at most 32 levels")
+    caplog.clear()
+    resumes_skipping(url, caplog, saved, resumed=1, skipped=2, reason="quarantined")  # set aside at the first
+
+
+def test_metadata_a_manifest_could_not_hold_is_refused_at_the_save(tmp_path):
+    deep: dict = {}
+    for _ in range(40):
+        deep = {"d": deep}
+    with CheckpointManager(str(tmp_path / "run"), interval=1) as ckpt:
+        with pytest.raises(ConfigError, match="nests deeper than 32 levels"):
+            ckpt.save(1, make(0), metadata=deep)
+        ckpt.save(1, make(0), metadata={"ok": [{"a": 1}]}, block=True)
+        assert ckpt.latest() == 1
