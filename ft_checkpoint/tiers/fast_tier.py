@@ -78,26 +78,38 @@ class FastSave:
 
 
 def create_fast_tier(config: CheckpointConfig, durable_url: str, groups: Groups, **adaptive: Any) -> FastTier | None:
-    """The manager's fast tier, or None without ``fast_dirpath``; collective when distributed (every rank must
-    configure it alike). ``adaptive``: the adaptive interval's options, for ``fast_interval="adaptive"``."""
+    """The manager's fast tier, or None without ``fast_dirpath`` or where a node's folder for this run is not this
+    user's own (a warning says why: see ``FastFolder.claim``); collective when distributed (every rank must configure
+    it alike). ``adaptive``: the adaptive interval's options, for ``fast_interval="adaptive"``."""
     on = [config.fast_dirpath is not None] * groups.world_size
     if groups.distributed:
         on = groups.all_gather(config.fast_dirpath is not None)
     if any(on) != all(on):
         raise ConfigError(f"fast_dirpath is set on ranks {[r for r, o in enumerate(on) if o]} only: set it on every "
                           "rank (each node its own node-local folder), or on none")
-    return FastTier(config, durable_url, groups, **adaptive) if all(on) else None
+    if not all(on):
+        return None
+    assert config.fast_dirpath is not None
+    folder = FastFolder(config.fast_dirpath, run_key(durable_url, job_id()))
+    problems = sorted({p for p in groups.all_gather(folder.claim()) if p})
+    if problems:  # another user may have prepared it: nothing in it is read, written or deleted
+        if groups.rank == 0:
+            log.warning("the fast tier is not used (this run saves to its durable tier only): %s", "; ".join(problems))
+        return None
+    return FastTier(config, durable_url, groups, folder, **adaptive)
 
 
 class FastTier:
     """See the module's docstring. Made by :func:`create_fast_tier` (at the manager's start, on every rank)."""
 
-    def __init__(self, config: CheckpointConfig, durable_url: str, groups: Groups, **adaptive: Any) -> None:
+    def __init__(self, config: CheckpointConfig, durable_url: str, groups: Groups, folder: FastFolder,
+                 **adaptive: Any) -> None:
         assert config.fast_dirpath is not None
         self.config, self.groups, self.durable_url = config, groups, durable_url
         self.dirpath: str = config.fast_dirpath
         self.node = config.node_id or default_node_id(self.dirpath)
-        self.folder = FastFolder(self.dirpath, run_key(durable_url, job_id()))
+        self.folder = folder
+        """This run's folder on this node, claimed (see ``FastFolder.claim``)."""
         pids = groups.all_gather((self.node, os.getpid()))
         self.attempt: str = groups.broadcast(uuid.uuid4().hex[:12])
         """This start of the job (rank 0's, on every rank): with the step, it names each save, which every part

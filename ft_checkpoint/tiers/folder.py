@@ -17,6 +17,10 @@ tier's code writes, checks, loads and deletes it, and ``ft-checkpoint inspect`` 
 and the peer copies it keeps look the same. Retention keeps the committed step and the one being written.
 Another run's folder is never read; it is removed once its owner is gone (same host, none of its pids alive).
 
+``fast_dirpath`` is often shared by the users of a node (``/dev/shm``), and a run's key can be computed by any
+of them. A run's folder is used only if it is this user's own (:meth:`FastFolder.claim`): else a link in it, or
+in its place, would make the job write into, then delete, whatever directory of this user's it points to.
+
 Example:
     >>> import tempfile
     >>> folder = FastFolder(tempfile.mkdtemp(), run_key("gs://b/run", "TORCHELASTIC_RUN_ID=job1"))
@@ -29,13 +33,16 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import os
+import pwd
 import re
 import socket
+import stat
 import time
 from typing import Any
 
@@ -81,8 +88,53 @@ class FastFolder:
 
     def __init__(self, fast_dirpath: str, key: str) -> None:
         self.key = key
-        self.root = os.path.join(os.path.abspath(fast_dirpath), key)
+        self.fast_dirpath = os.path.abspath(fast_dirpath)
+        self.root = os.path.join(self.fast_dirpath, key)
         self._storages: dict[int, Storage] = {}
+
+    def claim(self) -> str | None:
+        """Create this folder, for this user only (mode 700), or check the one there; None if it may be used, else
+        why not and what to do. It may be used if it is a real directory of this user that no one else can
+        write, each rank's folder in it is one of this user's, and ``fast_dirpath`` lets no one else replace it
+        (it is this user's or root's, and has the sticky bit, as ``/dev/shm``, if others may write it).
+
+        Example:
+            >>> import tempfile
+            >>> folder = FastFolder(tempfile.mkdtemp(), "run-0123456789abcdef")
+            >>> folder.claim(), oct(os.stat(folder.root).st_mode & 0o777)
+            (None, '0o700')
+        """
+        try:
+            os.makedirs(self.fast_dirpath, 0o700, exist_ok=True)
+            if (problem := _unsafe_holder(self.fast_dirpath)) is not None:
+                return problem
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(self.root, 0o700)
+        except OSError as e:
+            return f"{self.root} cannot be created ({type(e).__name__}: {e}). HINT: {_OWN_FOLDER}"
+        problem = self.problem()
+        return None if problem is None else (f"{problem}, so another user could make this job write into, then "
+                                             "delete, a directory of yours through a link there. HINT: remove it (its "
+                                             f"owner or root can), or {_OWN_FOLDER}")
+
+    def problem(self) -> str | None:
+        """None if this folder is a real directory of this user that no one else can write, and each rank's folder
+        in it a real directory of this user; else what is not.
+
+        Example:
+            >>> import tempfile
+            >>> folder = FastFolder(tempfile.mkdtemp(), "run-0123456789abcdef")
+            >>> os.mkdir(folder.root); os.chmod(folder.root, 0o777)
+            >>> folder.problem().endswith("can be written by other users (mode drwxrwxrwx)")
+            True
+        """
+        try:
+            if (problem := _not_own(self.root, private=True)) is not None:
+                return problem
+            ranks = sorted(e.path for e in os.scandir(self.root) if _RANK_RE.fullmatch(e.name))
+            return next((p for p in map(_not_own, ranks) if p is not None), None)
+        except OSError as e:
+            return f"{self.root} cannot be checked ({type(e).__name__}: {e})"
 
     def storage(self, rank: int) -> Storage:
         """Rank ``rank``'s checkpoint directory here (written without fsync: see ``Storage``)."""
@@ -173,11 +225,12 @@ def runs_in(fast_dirpath: str) -> list[FastFolder]:
 def clean_other_runs(fast_dirpath: str, key: str) -> list[str]:
     """Remove the folders of other runs whose owner is gone (this host, no pid of theirs alive); their paths.
 
-    A folder of a run on another host (a shared disk), or whose owner may be alive, is left alone."""
+    A folder of a run on another host (a shared disk), whose owner may be alive, or that is not this user's own (its
+    rank folders could be swapped for links while they are deleted) is left alone."""
     removed = []
     for folder in runs_in(fast_dirpath):
         owner = folder.owner()
-        if folder.key == key or owner is None or owner.get("host") != socket.gethostname():
+        if folder.key == key or owner is None or owner.get("host") != socket.gethostname() or folder.problem():
             continue
         pids = owner.get("pids")
         if not isinstance(pids, list) or any(not jsonfile.is_int(p) or (0 < p < 2**31 and pid_alive(p)) for p in pids):
@@ -185,3 +238,43 @@ def clean_other_runs(fast_dirpath: str, key: str) -> list[str]:
         folder.remove_all()
         removed.append(folder.root)
     return removed
+
+
+_OWN_FOLDER = "point fast_dirpath at a folder only you can write (mkdir -m 700 /dev/shm/$USER)"
+
+
+def _user(uid: int) -> str:
+    """``uid``'s name and number, for messages."""
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _not_own(path: str, *, private: bool = False) -> str | None:
+    """None if ``path`` is a real directory (not a link) of this user, and with ``private`` one no one else can
+    write; else what it is."""
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode):
+        return f"{path} is a symbolic link"
+    if not stat.S_ISDIR(info.st_mode):
+        return f"{path} is not a directory"
+    if info.st_uid != os.geteuid():
+        return f"{path} belongs to {_user(info.st_uid)}, not to you, {_user(os.geteuid())}"
+    if private and info.st_mode & 0o022:
+        return f"{path} can be written by other users (mode {stat.filemode(info.st_mode)})"
+    return None
+
+
+def _unsafe_holder(fast_dirpath: str) -> str | None:
+    """None if no one but this user and root can rename or replace what ``fast_dirpath`` holds; else why, and what
+    to do."""
+    info = os.stat(fast_dirpath)  # as the user named it (it may be a link of theirs)
+    if info.st_uid not in (os.geteuid(), 0):
+        return (f"{fast_dirpath} belongs to {_user(info.st_uid)}, who can replace this run's folder in it. "
+                f"HINT: {_OWN_FOLDER}")
+    if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+        return (f"{fast_dirpath} can be written by other users (mode {stat.filemode(info.st_mode)}) and has no sticky "
+                f"bit (as /dev/shm has): any of them can replace this run's folder in it. HINT: chmod +t or go-w "
+                f"{fast_dirpath}, or {_OWN_FOLDER}")
+    return None

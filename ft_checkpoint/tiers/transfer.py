@@ -121,7 +121,7 @@ class Incoming:
                 self.files = sorted(manifest.files.items())
             except CheckpointCorruptError as e:
                 self.problems.append(str(e))
-        layout.delete_step(storage, step)  # what an earlier copy of this step left
+        layout.delete_step(storage, step, before_write=True)  # what an earlier copy left (a link: itself, not its target)
         self._index, self._left, self._crc = -1, 0, 0
         self._f: Any = None
 

@@ -1,4 +1,5 @@
-"""The fast tier on one node (one process): saves, resume from the fastest source, fallbacks, room, hygiene.
+"""The fast tier on one node (one process): saves, resume from the fastest source, fallbacks, room, hygiene, and
+folders another user of the node prepared.
 
 The multi-node behaviour (peer copies, a replaced node, a node killed during a transfer) is in
 ``tests/core/test_tiers_nodes.py``.
@@ -156,6 +157,86 @@ def test_another_runs_files_are_never_used_and_are_removed_once_its_processes_ar
     ckpt.close()
 
 
+def tree(path: str) -> dict[str, bytes]:
+    """Every file under ``path`` and its bytes."""
+    return {os.path.relpath(os.path.join(here, name), path): open(os.path.join(here, name), "rb").read()
+            for here, _, names in os.walk(path) for name in names}
+
+
+def plant(fast: str, key: str, target: str, how: str) -> str:
+    """What another user of the node can put where a run's fast-tier folder goes, ``<fast>/run-<key>`` (its key
+    computed from the dirpath and the job id, as the job does), so that rank 0's folder leads to ``target``."""
+    root, lure = os.path.join(fast, key), os.path.join(os.path.dirname(fast), "lure")
+    os.makedirs(fast, exist_ok=True)
+    if how == "a link":  # the run folder itself links to a folder holding rank_00000 -> target
+        os.makedirs(lure)
+        os.symlink(target, os.path.join(lure, "rank_00000"))
+        os.symlink(lure, root)
+        return root
+    os.mkdir(root, 0o700)
+    os.symlink(target, os.path.join(root, "rank_00000"))
+    if how == "writable by all":
+        os.chmod(root, 0o777)
+    elif how == "another user's":
+        os.chown(root, 65534, 65534)
+        os.lchown(os.path.join(root, "rank_00000"), 65534, 65534)
+    return root
+
+
+@pytest.mark.parametrize("how", ["writable by all", "a link", "a rank link", "another user's"])
+def test_a_run_folder_another_user_prepared_is_refused_and_what_it_links_to_is_untouched(tmp_path, monkeypatch,
+                                                                                       caplog, how):
+    """Another user of the node computes the run's key and prepares ``<fast>/run-<key>`` with ``rank_00000`` linking
+    to another run of the victim: the job used to write its parts there, then delete that run's steps. The folder
+    is refused (a warning naming it and what to do), the other run is untouched, and the job trains and saves to
+    its durable tier."""
+    if how == "another user's" and os.geteuid() != 0:
+        pytest.skip("giving a folder to another user needs root")
+    monkeypatch.setenv("FT_CHECKPOINT_RUN_ID", "job-1234")
+    url, fast, other = str(tmp_path / "ckpt"), str(tmp_path / "fast"), str(tmp_path / "other-run")
+    run(other, str(tmp_path / "other-fast"), 3, interval=1, fast_interval=100)
+    before = tree(other)
+    assert layout.committed_steps(Storage(other)) == [1, 2, 3]
+    root = plant(fast, run_key(os.path.abspath(url), job_id()), other, how)
+    state = make(seed=0)
+    with caplog.at_level(logging.WARNING, logger="ft_checkpoint"):
+        with CheckpointManager(url, interval=2, fast_dirpath=fast, fast_interval=1) as ckpt:
+            for step in range(1, 4):
+                train_step(state)
+                ckpt.maybe_save(step, state)
+    assert tree(other) == before, "nothing is written into, or deleted from, what the folder links to"
+    assert ckpt.fast is None
+    assert "the fast tier is not used" in caplog.text and f"only): {root}" in caplog.text and "HINT:" in caplog.text
+    assert layout.committed_steps(Storage(url)) == [2, 3], "the job trains and saves to its durable tier"
+
+
+@pytest.mark.parametrize(("mode", "used"), [(0o777, False), (0o1777, True)])
+def test_a_fast_dirpath_others_can_write_is_used_only_with_the_sticky_bit(tmp_path, caplog, mode, used):
+    """In a folder others can write, without the sticky bit (``/dev/shm``'s), another user can rename the run's
+    folder away and put a link in its place at any time: the fast tier is not used there."""
+    fast = tmp_path / "shared"
+    fast.mkdir()
+    fast.chmod(mode)
+    with caplog.at_level(logging.WARNING, logger="ft_checkpoint"):
+        with CheckpointManager(str(tmp_path / "ckpt"), interval=100, fast_dirpath=str(fast), fast_interval=1) as ckpt:
+            assert (ckpt.fast is not None) == used
+    assert ("sticky bit" in caplog.text) != used
+
+
+def test_another_runs_folder_that_others_can_write_is_never_deleted(tmp_path):
+    """Deleting a folder others can write would race them (a rank folder swapped for a link between the check and
+    the delete): another run's folder is removed only if it is this user's own."""
+    fast = str(tmp_path / "fast")
+    other = FastFolder(fast, run_key("/elsewhere", "job-0"))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    other.write_owner("/elsewhere", [int(gone.stdout)])  # written by a process that has exited
+    os.makedirs(other.storage(0).path())
+    os.chmod(other.root, 0o777)
+    _, _, ckpt = resumes(str(tmp_path / "ckpt"), fast)
+    assert os.path.isdir(other.storage(0).path()), "left alone"
+    ckpt.close()
+
+
 def test_another_world_size_falls_back_to_the_durable_tier_saying_why(tmp_path, caplog):
     url, fast = str(tmp_path / "ckpt"), str(tmp_path / "fast")
     _, kept = run(url, fast, 6, keep=(4,))
@@ -207,6 +288,25 @@ def test_a_copy_whose_bytes_do_not_match_the_senders_manifest_is_refused_and_lef
     with pytest.raises(CheckpointCorruptError, match="do not match the sender's checksum"):
         copy_.finish()
     assert layout.list_steps(receiver) == {}
+
+
+def test_a_copy_never_writes_through_a_link_in_place_of_its_step_directory(tmp_path):
+    """A peer's part is received into this node's folder as a save writes its own: a link where the step directory
+    goes is removed itself, and the copy lands in a real directory; what the link pointed to is untouched."""
+    sender, receiver = Storage(str(tmp_path / "a"), fsync=False), Storage(str(tmp_path / "b"), fsync=False)
+    write_rank_step(sender, 7, {"w": torch.arange(1000.0)}, b"rank file", rank=0, world_size=1, save="a1b2")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    receiver.ensure_root()
+    os.symlink(outside, receiver.path(layout.step_dir(7)))
+    stream = Outgoing(sender, 7)
+    copy_ = Incoming(receiver, 7, stream.header, sender="rank 0")
+    chunk = bytearray(stream.total)
+    stream.fill(memoryview(chunk))
+    copy_.drain(memoryview(chunk))
+    copy_.finish()
+    assert os.listdir(outside) == []
+    assert not os.path.islink(receiver.path(layout.step_dir(7))) and layout.check_step(receiver, 7).ok
 
 
 def test_fast_tier_settings_come_from_the_environment_and_are_checked(monkeypatch):
