@@ -175,6 +175,11 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         self._announced = self._closed = False
 
+    def _durable_has_history(self) -> bool:
+        """Whether the journal records a start before this one (rank 0). Without one, and without a step, the
+        durable directory is new or was emptied: what the fast tier holds for it is a deleted run's."""
+        return any(name != self.journal.attempt for name in self.storage.listdir(layout.JOURNAL_DIR))
+
     def _acquire_and_list(self, force: bool) -> layout.Listing:
         """Rank 0's start-up I/O: take the lease while another thread lists the steps and reads their manifests (both
         wait on the storage; the listing only reads, so nothing is written before the lease is held)."""
@@ -476,8 +481,12 @@ class CheckpointManager:
         found_in_fast: str | None = None
         why: str | None = "no fast tier"
         if self.fast is not None and stands_alone(self._participants.split(state)[1]):
-            fast, touched = self.fast.resume(load, durable_newest=self._newest_committed)
-            found_in_fast, why = self.fast.failure_class, self.fast.why
+            if self._newest_committed is None and not self.groups.on_rank0(self._durable_has_history):
+                why = self.fast.forget(f"{self.storage.url} holds no step and no journal of an earlier start (new, or "
+                                       "emptied): the fast tier's parts are a deleted run's")
+            else:
+                fast, touched = self.fast.resume(load, durable_newest=self._newest_committed)
+                found_in_fast, why = self.fast.failure_class, self.fast.why
         listing, self._listing = self._listing, None  # what this start listed serves its first resume only,
         listing = listing if self.last_save is None else None  # and only before this manager saved anything
         found, source = (fast[:2], fast[2]) if fast is not None else self._resume_durable(load, touched, listing)

@@ -361,6 +361,21 @@ class FastTier:
                         step, other[step], self.ring.world_size)
 
     # -- the end -----------------------------------------------------------------------------------
+    def forget(self, why: str) -> str:
+        """Delete what this run's folder holds on every node (a deleted run's parts: ``why``), so that no resume
+        takes them and no retention keeps them over this run's own steps; returns ``why``. Collective: one rank
+        per node deletes, and no rank goes on (to save into the folder) before every node is done."""
+        held = self.folder.held_ranks() if self.local_index == 0 else []
+        if held:
+            log.warning("deleting the fast tier's parts of ranks %s in %s: %s", held, self.folder.root, why)
+        try:
+            for rank in held:
+                self.folder.remove(rank)
+        except (OSError, StorageError) as e:
+            log.warning("could not delete the fast tier's parts in %s: %s", self.folder.root, e)
+        self.groups.barrier()
+        return why
+
     def close(self, *, clean: bool) -> None:
         """At a clean end, delete this run's fast-tier folder (each rank what it wrote; then the rest, once per node)."""
         if not clean:

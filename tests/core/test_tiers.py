@@ -11,6 +11,7 @@ import copy
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 
@@ -104,6 +105,33 @@ def test_a_durable_step_newer_than_the_fast_tier_wins(tmp_path):
     assert step == 6
     assert_same(flat(resumed), kept[6])
     assert resume_events(url)[-1]["tier"] == "durable"
+    ckpt.close()
+
+
+def test_a_new_or_emptied_durable_directory_never_resumes_a_deleted_runs_fast_tier(tmp_path, caplog):
+    """``rm -rf`` of the checkpoint directory after a crash, to start over: the fast tier (same dirpath, no launcher
+    run id, so the same run key) still held step 6, and the new run resumed it as if nothing had been deleted."""
+    url, fast = str(tmp_path / "ckpt"), str(tmp_path / "fast")
+    run(url, fast, 6)
+    shutil.rmtree(url)
+    with caplog.at_level(logging.WARNING, logger="ft_checkpoint"):
+        step, _, ckpt = resumes(url, fast)
+    assert step is None, "a fresh start"
+    assert "no step and no journal of an earlier start" in caplog.text
+    assert runs_in(fast)[0].held_ranks() == [], "the deleted run's parts are gone: no later resume takes them"
+    ckpt.close(clean=False)
+    step, _, again = resumes(url, fast)  # a crash of the new run before its first durable save: its journal
+    assert step is None  # vouches for the directory, and its fast tier holds nothing yet
+    again.close()
+
+
+def test_a_crash_before_the_first_durable_save_resumes_from_the_fast_tier(tmp_path):
+    url, fast = str(tmp_path / "ckpt"), str(tmp_path / "fast")
+    state, _ = run(url, fast, 3, interval=10)
+    assert layout.list_steps(Storage(url)) == {}
+    step, resumed, ckpt = resumes(url, fast)
+    assert step == 3, "the journal records the crashed start: the fast tier's parts are this directory's"
+    assert_same(flat(resumed), snapshot(state))
     ckpt.close()
 
 
