@@ -569,7 +569,20 @@ class CheckpointManager:
     # -- lifecycle -----------------------------------------------------------------------------
     def wait(self, *, retention: bool = False) -> SaveStats | None:
         """Block until the save in flight committed; a background error is raised (or warned about). With
-        ``retention``, also until the deletions that commit started are done."""
+        ``retention``, also until the deletions that commit started are done.
+
+        When distributed, call it on every rank (as ``save``): a save commits once every rank's copy of the
+        state is settled, and with the lazy snapshot a rank settles its copy on its own training thread (at its
+        next optimizer step, save, wait or close). A ``wait`` on one rank while the others go on to a collective
+        of the training (DDP's all-reduce) waits for each other forever.
+
+        Example:
+            >>> import torch
+            >>> with CheckpointManager("memory://doc/wait", interval=1) as ckpt:
+            ...     _ = ckpt.save(1, {"w": torch.ones(2)})
+            ...     ckpt.wait().step
+            1
+        """
         try:
             return self.engine.wait()
         except SaveError as e:
