@@ -22,6 +22,7 @@ import dataclasses
 import datetime
 import difflib
 import json
+import logging
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -32,6 +33,7 @@ from ft_checkpoint.format import layout, signing
 from ft_checkpoint.store.jsonfile import is_int, is_number
 from ft_checkpoint.units import parse_duration, parse_signal, short
 
+log = logging.getLogger(__name__)
 ENV_PREFIX = "FT_CHECKPOINT_"
 ENV_CONFIG_FILE = "FT_CHECKPOINT_CONFIG"
 MAX_DURATION = 100 * 365.25 * 86400
@@ -465,13 +467,36 @@ def _parse_env_value(field: str, text: str) -> Any:
     return text
 
 
+ENV_OTHER = ("CONFIG", "DEBUG", "RUN_ID")
+"""The ``FT_CHECKPOINT_*`` variables that name no field (the YAML file, debug output, the run id of the fast tier)."""
+
+
 def _from_env() -> dict[str, Any]:
     out = {}
     for field in FIELDS:
         text = os.environ.get(ENV_PREFIX + field.upper())
         if text is not None:
             out[field] = _parse_env_value(field, text)
+    warn_unknown_env(os.environ)
     return out
+
+
+def warn_unknown_env(environ: Mapping[str, str]) -> list[str]:
+    """Warn about each ``FT_CHECKPOINT_*`` variable that names no setting (a typo would otherwise leave the
+    setting at its default without a word), with the closest name; returns the warnings.
+
+    Example:
+        >>> warn_unknown_env({"FT_CHECKPOINT_INTERVALL": "10", "FT_CHECKPOINT_KEEP_LAST": "3"})
+        ['FT_CHECKPOINT_INTERVALL names no ft-checkpoint setting and is ignored. HINT: did you mean FT_CHECKPOINT_INTERVAL?']
+    """
+    known = [ENV_PREFIX + name for name in (*(f.upper() for f in FIELDS), *ENV_OTHER)]
+    messages = []
+    for name in sorted(n for n in environ if n.startswith(ENV_PREFIX) and n not in known):
+        close = difflib.get_close_matches(name[:100], known, n=1)
+        hint = f"did you mean {close[0]}?" if close else f"the settings are {ENV_PREFIX}<FIELD>, of {', '.join(FIELDS)}"
+        messages.append(f"{name[:100]} names no ft-checkpoint setting and is ignored. HINT: {hint}")
+        log.warning("%s", messages[-1])
+    return messages
 
 
 def _from_file() -> dict[str, Any]:

@@ -68,6 +68,19 @@ def test_env_then_file_then_explicit(tmp_path, monkeypatch):
     assert CheckpointConfig.from_env(keep_last=None).keep_last == 4  # None means "not given"
 
 
+def test_a_misspelt_env_variable_is_warned_about_with_the_closest_name(tmp_path, monkeypatch, caplog):
+    """``FT_CHECKPOINT_FAST_DIRPTH`` left the job without a fast tier, without a word (a keyword or a YAML key
+    with a typo is a ConfigError)."""
+    monkeypatch.setenv("FT_CHECKPOINT_FAST_DIRPTH", str(tmp_path / "fast"))
+    monkeypatch.setenv("FT_CHECKPOINT_RUN_ID", "job-7")  # not a field, but ours: no warning
+    with caplog.at_level("WARNING", logger="ft_checkpoint"):
+        with CheckpointManager(str(tmp_path / "run"), interval=1) as ckpt:
+            assert ckpt.fast is None
+    warned = [r.getMessage() for r in caplog.records if "names no ft-checkpoint setting" in r.getMessage()]
+    assert warned and all("FT_CHECKPOINT_FAST_DIRPTH" in w for w in warned), caplog.text
+    assert "HINT: did you mean FT_CHECKPOINT_FAST_DIRPATH?" in warned[0]
+
+
 def test_env_storage_options_is_json(monkeypatch):
     monkeypatch.setenv("FT_CHECKPOINT_STORAGE_OPTIONS", '{"endpoint_url": "http://127.0.0.1:1"}')
     assert CheckpointConfig.from_env().storage_options == {"endpoint_url": "http://127.0.0.1:1"}
