@@ -145,7 +145,8 @@ class CheckpointManager:
         self._cost = CostMeter()
         durable_learner = self.tiers.durable if self.tiers is not None else self.adaptive
         self._events = SaveEvents(storage=self.storage, config=c, rank=self.rank, journal=self.journal, lease=self.lease,
-                                  watcher=self.watcher, cost=self._cost, adaptive=durable_learner, phase=self.engine.phase)
+                                  watcher=self.watcher, cost=self._cost, adaptive=durable_learner, phase=self.engine.phase,
+                                  signer=self.signer)
         self._init_run_state()
         atexit.register(self._close_at_exit)
 
@@ -181,10 +182,11 @@ class CheckpointManager:
         return any(name != self.journal.attempt for name in self.storage.listdir(layout.JOURNAL_DIR))
 
     def _acquire_and_list(self, force: bool) -> layout.Listing:
-        """Rank 0's start-up I/O: take the lease while another thread lists the steps and reads their manifests (both
-        wait on the storage; the listing only reads, so nothing is written before the lease is held)."""
+        """Rank 0's start-up I/O: take the lease while another thread lists the steps and reads their manifests down to
+        the newest committed (both wait on the storage; the listing only reads, so nothing is written before the lease
+        is held)."""
         with ThreadPoolExecutor(1, thread_name_prefix="ft-checkpoint-list") as pool:
-            listing = pool.submit(layout.Listing.of, self.storage)
+            listing = pool.submit(layout.Listing.of, self.storage, signer=self.signer)
             self.lease.acquire(force=force)
             return listing.result()
 
@@ -415,7 +417,7 @@ class CheckpointManager:
         """Refuse (StateMismatchError) a step at or below the newest committed in the directory."""
         newest = max((s for s in (self._newest_committed, self._events.last_committed) if s is not None), default=None)
         if newest is not None and step <= newest:
-            refuse_older_step(self.storage, self.groups, step, newest, why=why)
+            refuse_older_step(self.storage, self.groups, step, newest, why=why, signer=self.signer)
 
     def metrics(self) -> dict[str, float]:
         """Numbers worth logging: the last save's stall, time to durable and bytes; the interval."""
@@ -549,11 +551,11 @@ class CheckpointManager:
         """``(found, source)`` from the durable tier (see ``resume_newest``); ``touched``: a fast-tier step failed while
         it was loaded into the state, so finding nothing here is an error, not a fresh start. ``listing``: the steps
         and manifests this start read already (None: list them now)."""
-        manifests = listing.manifests if listing is not None else {}
+        reader = layout.ManifestReader(self.storage, known=listing.outcomes if listing is not None else None)
         found = resume_newest(
             self.storage, self.groups, open_step=self.loader.open_step,
             check=lambda step: check_for_resume(self.storage, step, rank=self.rank, world_size=self.groups.world_size,
-                                                signer=self.signer, manifest=manifests.get(step)),
+                                                signer=self.signer, reader=reader),
             load=lambda opened: load(self.loader, opened), touches=lambda opened: opened.touches,
             steps=list(listing.steps) if listing is not None else None)
         if found is None and touched:
@@ -563,8 +565,9 @@ class CheckpointManager:
         return found, self.storage.url_of(layout.step_dir(found[0].step)) if found is not None else self.storage.url
 
     def latest(self) -> int | None:
-        """The newest step whose manifest parses (its data not verified; ``resume`` verifies)."""
-        return self.groups.on_rank0(lambda: max(layout.committed_steps(self.storage), default=None))
+        """The newest step whose manifest parses (with a signing key, whose signature verifies; its data not
+        verified: ``resume`` verifies)."""
+        return self.groups.on_rank0(lambda: layout.Listing.of(self.storage, signer=self.signer).newest)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def wait(self, *, retention: bool = False) -> SaveStats | None:

@@ -58,7 +58,8 @@ _STEP_RE = re.compile(r"step_([0-9]{12})", re.ASCII)
 _SAFE_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+", re.ASCII)
 UNLISTED = "not listed in the manifest (left over or copied in; a step must hold only what it committed)"
 REFUSED = "refused"
-"""A :attr:`StepCheck.signature` that a signing key refused (unsigned, or not verifying)."""
+"""A :attr:`StepCheck.signature` (or a :meth:`ManifestReader.status`) that a signing key refused (unsigned, or not
+verifying)."""
 QUARANTINED = "quarantined: a resume found it corrupt and renamed its manifest to manifest.json.skipped"
 
 
@@ -297,15 +298,12 @@ class SignatureCheck(Protocol):
         """Raise SignatureError unless ``manifest`` is signed for this run and ``step``."""
 
 
-def read_manifest(storage: Storage, step: int, *, signer: SignatureCheck | None = None) -> Manifest:
+def read_manifest(storage: Storage, step: int, *, signer: SignatureCheck | None = None,
+                  reader: ManifestReader | None = None) -> Manifest:
     """Read and parse the manifest of ``step``; CheckpointCorruptError if missing or invalid, and with a
-    ``signer``, SignatureError if it is unsigned or its signature does not verify for this run and step."""
-    rel = f"{step_dir(step)}/{MANIFEST}"
-    try:
-        data = storage.read_control(rel, max_bytes=MAX_MANIFEST_BYTES)  # never a FIFO, a link, a huge file
-    except StorageNotFoundError as e:
-        raise CheckpointCorruptError("manifest.json is missing") from e
-    return check_manifest(Manifest.from_json(data, where=storage.url_of(rel)), step, signer=signer)
+    ``signer``, SignatureError if it is unsigned or its signature does not verify for this run and step.
+    ``reader``: the :class:`ManifestReader` of a listing, which reads each manifest once (None: read it now)."""
+    return check_manifest((reader or ManifestReader(storage)).read(step), step, signer=signer)
 
 
 def check_manifest(manifest: Manifest, step: int, *, signer: SignatureCheck | None = None) -> Manifest:
@@ -318,10 +316,78 @@ def check_manifest(manifest: Manifest, step: int, *, signer: SignatureCheck | No
     return manifest
 
 
+class ManifestReader:
+    """Reads the manifests of a checkpoint directory, each at most once: a step read already gives the same answer
+    again, and a manifest hard-linked into many step directories (one file, many names) is read and parsed once
+    (see ``Storage.read_control_once``): a thousand links to a 60 MB manifest cost one parse, not a thousand.
+
+    Args:
+        known: What a reader found before (its :attr:`outcomes`, e.g. rank 0's at the start): not read again.
+
+    Example:
+        >>> reader = ManifestReader(Storage("memory://doc/reader"))
+        >>> reader.status(3), reader.outcomes
+        ('not committed', {3: 'manifest.json is missing'})
+    """
+
+    def __init__(self, storage: Storage, known: dict[int, Manifest | str] | None = None) -> None:
+        self.storage = storage
+        self.outcomes: dict[int, Manifest | str] = dict(known or {})
+        """By step: the manifest read, parsed (its step and signature not checked yet), or why it is not one."""
+        self._files: dict[Any, Manifest | str] = {}  # by file identity: local to this machine, never sent elsewhere
+
+    def read(self, step: int) -> Manifest:
+        """The manifest of ``step``, parsed (neither its step nor its signature checked: see :func:`check_manifest`);
+        CheckpointCorruptError if it is missing, not a regular file, too large or invalid."""
+        if step not in self.outcomes:
+            self.outcomes[step] = self._read(step)
+        found = self.outcomes[step]
+        if isinstance(found, str):
+            raise CheckpointCorruptError(found)
+        return found
+
+    def status(self, step: int, *, signer: SignatureCheck | None = None) -> str:
+        """Whether ``step`` (a step directory that has a ``manifest.json``) counts as committed: :data:`COMMITTED`;
+        :data:`NOT_COMMITTED` (garbage: its manifest does not parse, or names another step); with a ``signer``,
+        :data:`REFUSED` (unsigned or forged: neither committed nor garbage). A step that does not count is warned about."""
+        try:
+            check_manifest(self.read(step), step, signer=signer)
+            return COMMITTED
+        except SignatureError as e:
+            log.warning("step %d in %s does not count as committed: %s", step, self.storage.url, e)
+            return REFUSED
+        except CheckpointCorruptError as e:
+            log.warning("step %d in %s does not count as committed: %s", step, self.storage.url, e)
+            return NOT_COMMITTED
+
+    def _read(self, step: int) -> Manifest | str:
+        rel = f"{step_dir(step)}/{MANIFEST}"
+
+        def parse(data: bytes) -> Manifest | str:
+            try:
+                return Manifest.from_json(data, where=self.storage.url_of(rel))
+            except CheckpointCorruptError as e:
+                return str(e)
+
+        try:  # never a FIFO, a link, a huge file; and each file parsed once
+            return self.storage.read_control_once(rel, parse, max_bytes=MAX_MANIFEST_BYTES, parsed=self._files)
+        except StorageNotFoundError:
+            return "manifest.json is missing"
+        except CheckpointCorruptError as e:
+            return str(e)
+
+
+COMMITTED = "committed"
+"""A step whose manifest parses and names its step (with a signing key, whose signature verifies)."""
+NOT_COMMITTED = "not committed"
+"""A step without a manifest, or whose manifest does not parse or names another step: garbage."""
+
+
 @dataclasses.dataclass
 class Listing:
-    """The step directories of a checkpoint directory, listed once, and the manifests that parse, each read once:
-    what a start needs (the newest committed step, the candidates of a resume), without reading them again.
+    """The step directories of a checkpoint directory, listed once, and the manifests read newest first down to
+    the newest committed step: what a start needs (the newest committed step, the candidates of a resume), without
+    reading them again; older manifests are read only when a resume falls back to them.
 
     Example:
         >>> Listing.of(Storage("memory://doc/listing")).newest is None
@@ -330,35 +396,35 @@ class Listing:
 
     steps: dict[int, bool]
     """``{step: has a manifest.json}``, as :func:`list_steps` returns it."""
-    manifests: dict[int, Manifest]
-    """The manifests that parse (not checked against a signing key: a resume does that)."""
+    outcomes: dict[int, Manifest | str]
+    """The manifests read, by step: parsed, or why not (see :attr:`ManifestReader.outcomes`)."""
+    newest: int | None
+    """The newest committed step (with a signing key, the newest whose signature verifies), or None."""
 
     @classmethod
-    def of(cls, storage: Storage, steps: dict[int, bool] | None = None) -> Listing:
-        """List ``storage`` (or take ``steps``) and read every manifest once; one that does not parse is warned about."""
+    def of(cls, storage: Storage, steps: dict[int, bool] | None = None, *,
+           signer: SignatureCheck | None = None) -> Listing:
+        """List ``storage`` (or take ``steps``) and read the manifests newest first, down to the newest committed
+        step (with a ``signer``, the newest that verifies); one that does not count is warned about."""
         steps = list_steps(storage) if steps is None else steps
-        manifests = {}
-        for step in sorted(s for s, has_manifest in steps.items() if has_manifest):
-            try:
-                manifests[step] = read_manifest(storage, step)
-            except CheckpointCorruptError as e:
-                log.warning("step %d in %s does not count as committed: %s", step, storage.url, e)
-        return cls(steps=steps, manifests=manifests)
+        reader = ManifestReader(storage)
+        newest = next((step for step in sorted(steps, reverse=True)
+                       if steps[step] and reader.status(step, signer=signer) == COMMITTED), None)
+        return cls(steps=steps, outcomes=reader.outcomes, newest=newest)
 
     @property
-    def committed(self) -> list[int]:
-        """Steps whose manifest parses, ascending: what counts as committed."""
-        return sorted(self.manifests)
-
-    @property
-    def newest(self) -> int | None:
-        """The newest committed step, or None."""
-        return max(self.manifests, default=None)
+    def manifests(self) -> dict[int, Manifest]:
+        """The manifests read that parse (not checked against a signing key: a resume does that)."""
+        return {step: m for step, m in self.outcomes.items() if isinstance(m, Manifest)}
 
 
-def committed_steps(storage: Storage, steps: dict[int, bool] | None = None) -> list[int]:
-    """Steps whose manifest exists and parses (ascending): what counts as committed. One small read each."""
-    return Listing.of(storage, steps).committed
+def committed_steps(storage: Storage, steps: dict[int, bool] | None = None, *,
+                    signer: SignatureCheck | None = None) -> list[int]:
+    """Steps whose manifest exists and parses, ascending (with a ``signer``, whose signature verifies too): what
+    counts as committed. One small read each, a manifest hard-linked into several steps read once."""
+    steps = list_steps(storage) if steps is None else steps
+    reader = ManifestReader(storage)
+    return [step for step in sorted(steps) if steps[step] and reader.status(step, signer=signer) == COMMITTED]
 
 
 # -- checking ----------------------------------------------------------------------------------
@@ -415,12 +481,12 @@ OnBytes = Callable[[int], None]
 
 def check_step(storage: Storage, step: int, *, checksums: bool | Callable[[str], bool] = False,
                on_bytes: OnBytes | None = None, signer: SignatureCheck | None = None,
-               manifest: Manifest | None = None) -> StepCheck:
+               reader: ManifestReader | None = None) -> StepCheck:
     """Check a step: the manifest (with a ``signer``, its signature first: nothing else is looked at in a
     step it refuses), every file's size and kind, no file it does not list, and checksums (``True``: every
     file; a predicate: the files it selects, e.g. this rank's share; ``False``: none — a resume verifies
-    format-2 data as it reads it). ``manifest``: the step's manifest as a :class:`Listing` read it moments
-    ago (checked here like one read now, and not read again).
+    format-2 data as it reads it). ``reader``: the :class:`ManifestReader` of a :class:`Listing` made moments
+    ago (a manifest it read is checked here like one read now, and not read again).
 
     Example:
         >>> check_step(Storage("memory://doc/check"), 7).problems
@@ -429,8 +495,7 @@ def check_step(storage: Storage, step: int, *, checksums: bool | Callable[[str],
     result = StepCheck(step=step)
     rel = step_dir(step)
     try:
-        result.manifest = manifest = (read_manifest(storage, step, signer=signer) if manifest is None
-                                      else check_manifest(manifest, step, signer=signer))
+        result.manifest = manifest = read_manifest(storage, step, signer=signer, reader=reader)
     except SignatureError as e:
         result.signature = REFUSED
         result.problems.append(str(e))

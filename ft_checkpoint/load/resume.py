@@ -54,16 +54,16 @@ Opened = TypeVar("Opened")
 
 
 def check_for_resume(storage: Storage, step: int, *, rank: int = 0, world_size: int = 1,
-                     signer: Signer | None = None, manifest: layout.Manifest | None = None) -> layout.Manifest:
+                     signer: Signer | None = None, reader: layout.ManifestReader | None = None) -> layout.Manifest:
     """Phase 1 for one rank: the step's manifest (with a ``signer``, its signature first), sizes, kinds and
     unlisted files; for a format-1 step also the checksums of this rank's share of its files (format 2 is
-    checked as it is read). ``manifest``: as a :class:`~ft_checkpoint.format.layout.Listing` of this start read it
-    (checked like one read now; None: read it).
+    checked as it is read). ``reader``: the :class:`~ft_checkpoint.format.layout.ManifestReader` of this resume,
+    which knows the manifests this start read (checked like ones read now) and reads each other one once.
 
     Raises:
         CheckpointCorruptError: naming the first problems (SignatureError: the signature was refused).
     """
-    manifest = layout.check_step(storage, step, signer=signer, manifest=manifest).raise_if_bad()
+    manifest = layout.check_step(storage, step, signer=signer, reader=reader).raise_if_bad()
     if manifest.format_version == 1:
         rel = layout.step_dir(step)
         for i, (name, entry) in enumerate(sorted(manifest.files.items())):
@@ -199,13 +199,15 @@ def warn_if_rolled_back(storage: Storage, resumed: int | None) -> str | None:
     return message
 
 
-def refuse_older_step(storage: Storage, groups: Groups, step: int, newest: int, *, why: str | None = None) -> None:
-    """Raise StateMismatchError for a save of ``step`` in a directory where ``newest >= step`` is committed.
+def refuse_older_step(storage: Storage, groups: Groups, step: int, newest: int, *, why: str | None = None,
+                      signer: Signer | None = None) -> None:
+    """Raise StateMismatchError for a save of ``step`` in a directory where ``newest >= step`` is committed (with a
+    ``signer``, the steps it names are those whose signature verifies, as ``newest`` is).
 
     Such a save is refused rather than written: retention keeps the highest steps, so it would delete the
     new save right after its commit, and a crash would resume the old steps.
     """
-    newer = groups.on_rank0(lambda: [s for s in layout.committed_steps(storage) if s >= step])
+    newer = groups.on_rank0(lambda: [s for s in layout.committed_steps(storage, signer=signer) if s >= step])
     paths = " ".join(storage.url_of(layout.step_dir(s)) for s in newer[:3]) + (" ..." if len(newer) > 3 else "")
     why = why or ("a run pointed at another run directory, a restarted step counter, or a resume that fell back "
                   "past steps that did not fit the state")

@@ -5,7 +5,10 @@ Rules: keep the newest ``keep_last`` committed steps, every milestone (a multipl
 step directory (partial, quarantined, or with a manifest that does not parse) older than the newest
 commit. Directories newer than the newest commit are left alone (a save may be writing them). A step
 counts as committed only if its manifest parses and names its own step, so a garbage manifest never
-makes retention delete good steps. Deleting is ``layout.delete_step``: manifest first, literal names.
+makes retention delete good steps. With a signing key, only if its signature verifies too: a step whose
+signature is refused (unsigned, or forged by someone without the key) is neither kept nor deleted, so
+forged steps never push the job's own steps out of ``keep_last`` (a resume sets them aside once a step
+verifies). Deleting is ``layout.delete_step``: manifest first, literal names.
 
 Example:
     >>> plan_deletions({10: True, 20: True, 30: True, 25: False, 40: False}, keep_last=2)
@@ -39,13 +42,37 @@ def plan_deletions(steps: dict[int, bool], *, keep_last: int, keep_every_n_steps
     return sorted(s for s, ok in steps.items() if s not in keep and (ok or s < newest))
 
 
+def statuses(storage: Storage, *, signer: layout.SignatureCheck | None = None) -> dict[int, str]:
+    """``{step: layout.COMMITTED, NOT_COMMITTED or REFUSED}`` of every step directory (see
+    ``layout.ManifestReader.status``), each manifest file read once.
+
+    Example:
+        >>> statuses(Storage("memory://doc/statuses"))
+        {}
+    """
+    reader = layout.ManifestReader(storage)
+    return {step: reader.status(step, signer=signer) if has_manifest else layout.NOT_COMMITTED
+            for step, has_manifest in layout.list_steps(storage).items()}
+
+
+def counted(status: dict[int, str]) -> dict[int, bool]:
+    """``{step: committed}``, as :func:`plan_deletions` takes it, less the steps whose signature was refused:
+    :func:`plan_deletions` never deletes a step it is not given.
+
+    Example:
+        >>> counted({1: layout.COMMITTED, 2: layout.NOT_COMMITTED, 3: layout.REFUSED})
+        {1: True, 2: False}
+    """
+    return {step: s == layout.COMMITTED for step, s in status.items() if s != layout.REFUSED}
+
+
 def apply_retention(storage: Storage, *, keep_last: int, keep_every_n_steps: int | None = None,
-                    protect: int | None = None, dry_run: bool = False) -> list[int]:
+                    protect: int | None = None, dry_run: bool = False,
+                    signer: layout.SignatureCheck | None = None) -> list[int]:
     """Delete what :func:`plan_deletions` says; returns the deleted (or, with ``dry_run``, deletable) steps.
+    With a ``signer``, only steps whose signature verifies count as committed (see the module's docstring).
     A step directory swapped for a symbolic link after the listing is left alone (see ``layout.delete_step``)."""
-    steps = layout.list_steps(storage)
-    committed = set(layout.committed_steps(storage, steps))
-    doomed = plan_deletions({s: s in committed for s in steps}, keep_last=keep_last,
+    doomed = plan_deletions(counted(statuses(storage, signer=signer)), keep_last=keep_last,
                             keep_every_n_steps=keep_every_n_steps, protect=protect)
     if dry_run:
         return doomed

@@ -15,6 +15,7 @@ from typing import Any
 
 from ft_checkpoint.config import CheckpointConfig
 from ft_checkpoint.errors import ConfigError, LeaseError, SaveError, StorageError
+from ft_checkpoint.format.signing import Signer
 from ft_checkpoint.policies.cost import CostMeter
 from ft_checkpoint.run.background import submit
 from ft_checkpoint.run.journal import Journal
@@ -34,12 +35,13 @@ class SaveEvents:
     Args:
         adaptive: The adaptive interval policy to feed each save's measured cost, or None.
         phase: ``phase(name, step)``: reports ``retention`` (the engine's phase hook).
+        signer: The job's signer (None: no signing key): retention counts only the steps it verifies.
     """
 
     def __init__(self, *, storage: Storage, config: CheckpointConfig, rank: int, journal: Journal, lease: Lease,
                  watcher: PreemptionWatcher, cost: CostMeter, adaptive: Any = None,
-                 phase: Any = lambda phase, step: None) -> None:
-        self.storage, self.config, self.rank = storage, config, rank
+                 phase: Any = lambda phase, step: None, signer: Signer | None = None) -> None:
+        self.storage, self.config, self.rank, self.signer = storage, config, rank, signer
         self.journal, self.lease, self.watcher, self.cost, self.adaptive = journal, lease, watcher, cost, adaptive
         self.phase = phase
         self.failed = 0
@@ -97,6 +99,6 @@ class SaveEvents:
         try:  # the step is committed: a failed clean-up must not make the save look failed
             self.lease.check_owned()  # never delete in a directory another job took over
             apply_retention(self.storage, keep_last=self.config.keep_last,
-                            keep_every_n_steps=self.config.keep_every_n_steps, protect=step)
+                            keep_every_n_steps=self.config.keep_every_n_steps, protect=step, signer=self.signer)
         except (StorageError, LeaseError) as e:
             log.warning("retention after step %d failed (will retry after the next commit): %s", step, e)

@@ -30,7 +30,7 @@ import logging
 import os
 import posixpath
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 
 from ft_checkpoint.errors import CheckpointCorruptError
 
@@ -64,6 +64,33 @@ def read_regular_file(path: str, *, max_bytes: int, url: str) -> bytes:
         Traceback (most recent call last):
         ft_checkpoint.errors.CheckpointCorruptError: this module: larger than the 10 bytes ...
     """
+    with _open_regular(path, max_bytes=max_bytes, url=url) as (fd, _):
+        return _read_at_most(fd, max_bytes + 1)  # a file that grew since fstat: the caller sees the extra byte
+
+
+FileId = tuple[int, int]
+"""A local file's identity: its device and inode (the same for every hard link to it)."""
+
+
+def read_regular_file_unless(path: str, known: Container[FileId], *, max_bytes: int,
+                             url: str) -> tuple[FileId, bytes | None]:
+    """``(identity, bytes)`` of ``path``, checked and read as :func:`read_regular_file` does, except that a file
+    whose identity is in ``known`` (read already, under this name or through a hard link) is not read: None.
+
+    Example:
+        >>> identity, data = read_regular_file_unless(__file__, (), max_bytes=1 << 20, url="this module")
+        >>> data[3:9], read_regular_file_unless(__file__, {identity}, max_bytes=1 << 20, url="this module")[1]
+        (b'Local-', None)
+    """
+    with _open_regular(path, max_bytes=max_bytes, url=url) as (fd, info):
+        identity = (info.st_dev, info.st_ino)
+        return identity, None if identity in known else _read_at_most(fd, max_bytes + 1)
+
+
+@contextlib.contextmanager
+def _open_regular(path: str, *, max_bytes: int, url: str) -> Iterator[tuple[int, os.stat_result]]:
+    """A descriptor of ``path`` and its ``fstat``, if it is a regular file of at most ``max_bytes`` (see
+    :func:`read_regular_file`); closed on exit."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError as e:
@@ -76,7 +103,7 @@ def read_regular_file(path: str, *, max_bytes: int, url: str) -> bytes:
             raise _not_regular(url, next((name for test, name in _KINDS if test(info.st_mode)), "a special file"))
         if info.st_size > max_bytes:
             raise too_large(url, max_bytes)
-        return _read_at_most(fd, max_bytes + 1)  # a file that grew since fstat: the caller sees the extra byte
+        yield fd, info
     finally:
         os.close(fd)
 

@@ -587,6 +587,31 @@ class Storage:
             raise nofollow.too_large(self.url_of(rel), max_bytes)
         return data
 
+    def read_control_once(self, rel: str, parse: Callable[[bytes], T], *, max_bytes: int, parsed: dict[Any, T]) -> T:
+        """``parse(read_control(rel))``, except that a file parsed already under another name is neither read nor
+        parsed again: ``parsed`` keeps what ``parse`` returned for each file. Only local disk has several names
+        for one file (hard links: the same device and inode, told by ``fstat`` of the file opened), so a file
+        hard-linked a thousand times costs one parse; elsewhere every name is read.
+
+        Example:
+            >>> import os, tempfile
+            >>> s = Storage(tempfile.mkdtemp())
+            >>> s.write_bytes("a.json", b"{}")
+            >>> os.link(s.path("a.json"), s.path("b.json"))
+            >>> calls, parsed = [], {}
+            >>> [s.read_control_once(n, calls.append, max_bytes=10, parsed=parsed) for n in ("a.json", "b.json")], calls
+            ([None, None], [b'{}'])
+        """
+        if not self.is_local:
+            return parse(self.read_control(rel, max_bytes=max_bytes))
+        identity, data = self._call("read", rel, nofollow.read_regular_file_unless, self.path(rel), parsed,
+                                    max_bytes=max_bytes, url=self.url_of(rel))
+        if data is not None:
+            if len(data) > max_bytes:
+                raise nofollow.too_large(self.url_of(rel), max_bytes)
+            parsed[identity] = parse(data)
+        return parsed[identity]
+
     def iter_chunks(self, rel: str, chunk_size: int = 8 << 20) -> Iterator[bytes]:
         """Stream an object in chunks (for checksums of large shards without holding them in memory)."""
         f = self._call("open", rel, self.fs.open, self.path(rel), "rb", **self.read_options)

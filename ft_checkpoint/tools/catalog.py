@@ -14,7 +14,7 @@ A step is one of:
   directory that also holds a file the manifest does not list, or one that a resume already quarantined
   (``manifest.json.skipped``);
 - ``unverified``: with a signing key (``signer``), a manifest that is unsigned or whose signature does
-  not verify for this key, run and step: a resume skips it.
+  not verify for this key, run and step: a resume skips it, and ``gc`` neither counts it nor deletes it.
 
 Example:
     >>> from ft_checkpoint.store.storage import Storage
@@ -35,7 +35,7 @@ from ft_checkpoint.errors import CheckpointCorruptError, StorageNotFoundError
 from ft_checkpoint.format import layout, tensor_metadata
 from ft_checkpoint.format.layout import OnBytes, StepCheck
 from ft_checkpoint.format.signing import Signer
-from ft_checkpoint.run.retention import plan_deletions
+from ft_checkpoint.run.retention import counted, plan_deletions, statuses
 from ft_checkpoint.store import checksum
 from ft_checkpoint.store.storage import Storage
 
@@ -82,9 +82,10 @@ def require_directory(storage: Storage) -> None:
             "options (FT_CHECKPOINT_STORAGE_OPTIONS, a JSON object)")
 
 
-def describe_step(storage: Storage, step: int, *, signer: Signer | None = None) -> StepInfo:
+def describe_step(storage: Storage, step: int, *, signer: Signer | None = None,
+                  reader: layout.ManifestReader | None = None) -> StepInfo:
     """The status, size and manifest fields of one step directory (sizes checked, no checksums; with a
-    ``signer``, the signature too).
+    ``signer``, the signature too). ``reader``: the listing's, which reads each manifest file once.
 
     Example:
         >>> from ft_checkpoint.store.storage import Storage
@@ -99,7 +100,7 @@ def describe_step(storage: Storage, step: int, *, signer: Signer | None = None) 
         info.status = CORRUPT if quarantined else PARTIAL
         info.reason = layout.QUARANTINED if quarantined else "no manifest.json: an interrupted save, or one still being written"
         return info
-    check = layout.check_step(storage, step, signer=signer)
+    check = layout.check_step(storage, step, signer=signer, reader=reader)
     if not check.ok or check.manifest is None:
         status = UNVERIFIED if check.signature == layout.REFUSED else CORRUPT
         info.status, info.reason, info.manifest = status, "; ".join(check.problems), True
@@ -118,7 +119,8 @@ def list_checkpoints(storage: Storage, *, signer: Signer | None = None) -> Listi
         >>> list_checkpoints(Storage("memory://doc/empty-listing")).steps
         []
     """
-    infos = [describe_step(storage, step, signer=signer) for step in sorted(layout.list_steps(storage))]
+    reader = layout.ManifestReader(storage)  # a manifest hard-linked into many steps: read once
+    infos = [describe_step(storage, step, signer=signer, reader=reader) for step in sorted(layout.list_steps(storage))]
     committed = [i.step for i in infos if i.status == COMMITTED]
     return Listing(url=storage.url, steps=infos, resume_step=max(committed, default=None))
 
@@ -274,12 +276,14 @@ def _describe(manifest: layout.Manifest, data: bytes) -> list[dict[str, Any]]:
 # -- gc ----------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class GcPlan:
-    """What ``gc`` deletes and keeps; ``protected`` is the newest verified step, never deleted."""
+    """What ``gc`` deletes and keeps; ``protected`` is the newest verified step, never deleted; ``unverified``:
+    with a signing key, the steps whose signature is refused, kept as they are and not counted."""
 
     url: str
     delete: list[int]
     keep: list[int]
     protected: int | None
+    unverified: list[int] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -287,7 +291,8 @@ class GcPlan:
 
 def plan_gc(storage: Storage, *, keep_last: int, keep_every_n_steps: int | None = None,
             on_bytes: OnBytes | None = None, signer: Signer | None = None) -> GcPlan:
-    """The core's retention rules, plus: the newest step that verifies (checksums too; with a ``signer``, its
+    """The core's retention rules (with a ``signer``, only steps whose signature verifies count; the others are
+    neither kept nor deleted), plus: the newest step that verifies (checksums too; with a ``signer``, its
     signature too, so that a forged newer step never takes its place) is always kept.
 
     Example:
@@ -297,12 +302,13 @@ def plan_gc(storage: Storage, *, keep_last: int, keep_every_n_steps: int | None 
         >>> plan_gc(s, keep_last=1).delete   # nothing has committed: nothing is deleted
         []
     """
-    steps = layout.list_steps(storage)
-    committed = set(layout.committed_steps(storage, steps))
-    doomed = plan_deletions({s: s in committed for s in steps}, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps)
-    protected = newest_verified(storage, sorted(committed, reverse=True), on_bytes, signer=signer)
+    status = statuses(storage, signer=signer)
+    doomed = plan_deletions(counted(status), keep_last=keep_last, keep_every_n_steps=keep_every_n_steps)
+    committed = sorted((s for s, v in status.items() if v == layout.COMMITTED), reverse=True)
+    protected = newest_verified(storage, committed, on_bytes, signer=signer)
     delete = [s for s in doomed if s != protected]
-    return GcPlan(url=storage.url, delete=delete, keep=sorted(set(steps) - set(delete)), protected=protected)
+    return GcPlan(url=storage.url, delete=delete, keep=sorted(set(status) - set(delete)), protected=protected,
+                  unverified=sorted(s for s, v in status.items() if v == layout.REFUSED))
 
 
 def newest_verified(storage: Storage, candidates: Iterable[int], on_bytes: OnBytes | None = None, *,

@@ -484,6 +484,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
     lines = [f"{plan.url}: keep the newest {plural(args.keep, 'committed step')}{milestones}{protected}",
              f"{verb}: {', '.join(f'step {s}' for s in deleted) or 'nothing'}",
              f"{'keeps' if args.dry_run else 'kept'}: {', '.join(f'step {s}' for s in kept) or 'nothing'}"]
+    if plan.unverified:
+        lines.append(f"not counted, left as they are (their signature does not verify; a resume with the key sets "
+                     f"them aside): {', '.join(f'step {s}' for s in plan.unverified)}")
     emit(args, {**plan.to_dict(), "delete": deleted, "keep": kept, "dry_run": args.dry_run}, lines)
     return 0
 

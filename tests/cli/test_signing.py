@@ -12,7 +12,7 @@ import pytest
 
 from ft_checkpoint import CheckpointManager
 from tests.cli.conftest import cli, cli_json
-from tests.core.test_signing import KEY, OTHER_KEY, forge_with_recomputed_checksums, resume, save
+from tests.core.test_signing import FORGED, KEY, OTHER_KEY, forge_with_recomputed_checksums, plant_unsigned_steps, resume, save
 
 WITH_KEY = {"FT_CHECKPOINT_SIGNING_KEY": KEY}
 
@@ -89,6 +89,19 @@ def test_gc_with_the_key_never_deletes_the_newest_signed_step(run, tmp_path):
     plan = cli_json("gc", copy, "--keep", 1, "--run-name", run, env=WITH_KEY)
     assert plan["protected"] == 2 and 2 not in plan["delete"]
     assert resume(copy, signing_key=KEY, run_name=run)[0] == 2
+
+
+def test_gc_with_the_key_counts_only_steps_that_verify(run, tmp_path):
+    """Forged steps numbered above the run took the places of --keep: gc deleted every signed step but one."""
+    copy = str(tmp_path / "copy")
+    shutil.copytree(run, copy)
+    plant_unsigned_steps(copy, FORGED)
+    plan = cli_json("gc", copy, "--keep", 2, "--run-name", run, env=WITH_KEY)
+    assert plan["delete"] == [] and plan["protected"] == 2
+    assert plan["unverified"] == [3, 4, *FORGED], "refused steps are reported, neither kept nor deleted"
+    text = cli("gc", copy, "--keep", 1, "--run-name", run, env=WITH_KEY).stdout
+    assert "deleted: step 1\n" in text and "left as they are (their signature does not verify" in text, text
+    assert sorted(int(n[5:]) for n in os.listdir(copy) if n.startswith("step_")) == [2, 3, 4, *FORGED]
 
 
 def test_a_copied_run_verifies_with_run_name(run, tmp_path):

@@ -11,6 +11,7 @@ import logging
 import os
 import resource
 import shutil
+import subprocess
 import threading
 import time
 
@@ -231,6 +232,59 @@ def test_fifos_in_the_journal_are_skipped_with_a_warning(tmp_path, caplog):
         pass
     report = cli("report", url, timeout=HANG_GUARD)
     assert report.returncode == 0 and "not a regular file" in report.stderr, report.stderr
+
+
+# -- 6. hard links: a manifest is parsed once per file, however many names it has -------------------
+def link_manifest(url: str, step: int, into: range) -> None:
+    """Hard-link step ``step``'s manifest as the manifest of each step directory of ``into`` (one file on disk:
+    the finding's was 60 MB, linked 20 times, and every start parsed it 20 times)."""
+    source = os.path.join(url, layout.step_dir(step), layout.MANIFEST)
+    for other in into:
+        os.makedirs(os.path.join(url, layout.step_dir(other)))
+        os.link(source, os.path.join(url, layout.step_dir(other), layout.MANIFEST))
+
+
+def count_parses(monkeypatch) -> list[int]:
+    """The size of each manifest parsed from now on (the real parse, counted)."""
+    parsed: list[int] = []
+    original = layout.Manifest.from_json
+
+    def counted(data: bytes, *, where: str = "manifest") -> layout.Manifest:
+        parsed.append(len(data))
+        return original(data, where=where)
+
+    monkeypatch.setattr(layout.Manifest, "from_json", staticmethod(counted))
+    return parsed
+
+
+def test_a_manifest_hard_linked_into_many_steps_is_parsed_once_per_listing(tmp_path, monkeypatch, caplog):
+    url = str(tmp_path / "ckpt")
+    two_saved_steps(url)
+    link_manifest(url, 2, range(100, 150))  # above the run: a start and a resume meet them first
+    storage, parses = Storage(url), count_parses(monkeypatch)
+    assert layout.committed_steps(storage) == [1, 2]
+    assert len(parses) == 2, "one parse per file (steps 1 and 2), not one per name"
+    parses.clear()
+    assert retention.apply_retention(storage, keep_last=1, dry_run=True) == [1]
+    assert len(parses) == 2, "a retention pass parses each file once"
+    parses.clear()
+    with CheckpointManager(url, interval=1) as ckpt:
+        assert ckpt.resume(make()) == 2
+    assert len(parses) == 1, "the start read the newest manifests (one file), and the resume reused them"
+    assert os.path.isfile(os.path.join(url, layout.step_dir(2), layout.MANIFEST)), "step 2 is intact"
+    assert "manifest.json says step 2, the directory says 149" in caplog.text
+
+
+def test_a_run_copied_with_hard_links_resumes_and_keeps_its_steps(tmp_path):
+    """``cp -al run backup``: every file of the backup is a hard link to the run's; both resume as before."""
+    url, backup = str(tmp_path / "run"), str(tmp_path / "backup")
+    two_saved_steps(url)
+    subprocess.run(["cp", "-al", url, backup], check=True)
+    for directory in (backup, url):
+        with CheckpointManager(directory, interval=1, keep_last=2) as ckpt:
+            assert ckpt.resume(make()) == 2
+            ckpt.save(3, make(), block=True)
+        assert sorted(layout.list_steps(Storage(directory))) == [2, 3]
 
 
 # -- 7. a lease from the future is no lock forever ----------------------------------------------

@@ -216,6 +216,46 @@ def test_a_run_named_from_the_start_verifies_after_a_copy(tmp_path):
     assert_same(state, saved[2])
 
 
+# -- with the key, only steps that verify count: forged steps drive neither retention nor the step count ------
+FORGED = [9 * 10**11, 9 * 10**11 + 1, 9 * 10**11 + 2]
+"""Step numbers far above the run's, as a forger without the key picks them: retention keeps the highest steps."""
+
+
+def plant_unsigned_steps(url: str, steps: list[int]) -> None:
+    """What anyone who can write the directory can do without the key (a put-only role will do): empty steps."""
+    for step in steps:
+        write_manifest(url, step, {"format": "ft-checkpoint", "format_version": 2, "step": step, "world_size": 1,
+                                   "files": {}})
+
+
+def test_forged_steps_never_make_the_jobs_retention_delete_its_signed_steps(tmp_path, caplog):
+    """They took the places of keep_last: after the next commit only the step just saved and the forged ones were left."""
+    url, state = str(tmp_path / "run"), make(0)
+    with CheckpointManager(url, interval=1, keep_last=3, signing_key=KEY) as ckpt:
+        for step in (1, 2, 3, 4, 5):
+            if step == 5:
+                plant_unsigned_steps(url, FORGED)  # mid-run
+            train_step(state)
+            ckpt.save(step, state, block=True)
+            ckpt.wait(retention=True)
+        assert sorted(layout.list_steps(Storage(url))) == [3, 4, 5, *FORGED], "forged steps neither kept nor deleted"
+        saved = copy.deepcopy(state)
+    assert f"step {FORGED[0]} in {url} does not count as committed: manifest.json is not signed" in caplog.text
+    step, resumed = resume(url, signing_key=KEY)
+    assert step == 5
+    assert_same(resumed, saved)
+
+
+def test_forged_steps_never_make_a_save_of_a_job_with_the_key_look_like_a_restarted_step_count(tmp_path):
+    url = str(tmp_path / "run")
+    save(url, [1, 2], signing_key=KEY)
+    plant_unsigned_steps(url, FORGED[:1])
+    with CheckpointManager(url, interval=1, signing_key=KEY) as ckpt:
+        assert ckpt.latest() == 2
+        ckpt.save(3, make(), block=True)  # was: "cannot save step 3 ...: step 900000000000 is committed there already"
+    assert resume(url, signing_key=KEY)[0] == 3
+
+
 # -- what signing cannot stop, the journal tells -------------------------------------------------------
 def test_deleting_newer_steps_to_roll_back_is_warned_from_the_journal(tmp_path, caplog):
     url = str(tmp_path / "run")
@@ -258,7 +298,8 @@ def test_without_a_key_manifests_are_unsigned_and_signed_steps_still_resume(tmp_
     url = str(tmp_path / "run")
     saved = save(url, [1])
     assert set(manifest_of(url, 1)) == BEFORE  # not even "signature": null
-    saved.update(save(url, [2], seed=1, signing_key=KEY))
+    saved.update(save(url, [2], seed=1, signing_key=KEY))  # this job warns that step 1 does not count for it
+    caplog.clear()
     caplog.set_level(logging.WARNING, logger="ft_checkpoint")
     step, state = resume(url)  # no key: a signature is not checked, an unsigned step not refused
     assert step == 2
