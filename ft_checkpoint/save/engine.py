@@ -186,7 +186,8 @@ class CheckpointEngine:
         ``listener`` hears about the write (see :class:`SaveListener`). ``called_at`` (a
         ``time.perf_counter()`` value) is when the caller's save began, so the stall counts its work too.
         ``tier_write(staged)`` writes another tier from the same staged copy (``staged["tensors"]``, the rank file
-        ``staged["rank_file"]``), on the writer thread, before the durable write (none if not ``durable``).
+        ``staged["rank_file"]``), on the writer thread, before the durable write (none if not ``durable``); an error
+        it raises is logged, and the durable write goes on.
         """
         t0 = time.perf_counter() if called_at is None else called_at
         try:
@@ -289,7 +290,7 @@ class CheckpointEngine:
                     return stats  # the fast tier commits on its own: it writes only a settled snapshot
             staged["rank_file"] = _serialize(*staged["rank_file"])
             if tier_write is not None:
-                tier_write(staged)
+                self._write_tier(stats, tier_write, staged)
             if not stats.durable:
                 return stats
             start = time.perf_counter()
@@ -304,6 +305,16 @@ class CheckpointEngine:
             return stats
 
         return job
+
+    @staticmethod
+    def _write_tier(stats: SaveStats, tier_write: Callable[[dict[str, Any]], Any], staged: dict[str, Any]) -> None:
+        """Run the other tier's write: whatever it raises is a warning, never the end of the durable write."""
+        try:
+            tier_write(staged)
+        except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
+            log.warning("the fast tier's write of step %d failed, so the fast tier keeps its previous step%s: %s",
+                        stats.step, " (the durable save of the step goes on)" if stats.durable else "",
+                        retry.describe(e))
 
     def _torn(self, stats: SaveStats, changed: list[str]) -> bool:
         """Whether the lazy snapshot is torn (``changed``: tensors edited in place before their copy was

@@ -2,11 +2,13 @@
 
 A save writes on the background writer, from the staged copy the durable save uses (see the engine's
 ``tier_write``), in three phases, each ended by an agreement of every rank over the fast tier's own gloo
-group (never the training's, never the training thread): every rank writes its part into its node's folder;
-every rank sends its part to its peer on the next node while it receives the part of the rank it keeps a copy
-of (``transfer``); then every rank marks the step committed in the folders it wrote and deletes the older
-steps there. A phase that fails anywhere leaves the step uncommitted everywhere, with a warning: the fast
-tier never stops training, and the previous committed step (and its copies) stays.
+group (never the training's, never the training thread): every rank writes its part into its node's folder
+(once every rank measured its part, its rank file's real size included, and the room of its node: a node that
+cannot hold two steps writes nothing); every rank sends its part to its peer on the next node while it receives
+the part of the rank it keeps a copy of (``transfer``); then every rank marks the step committed in the folders it
+wrote and deletes the older steps there. A phase that fails anywhere leaves the step uncommitted everywhere,
+with a warning, and what it wrote is deleted at once: the fast tier never stops training, and the previous
+committed step (and its copies) stays.
 
 A resume (:meth:`FastTier.resume`, every rank, on the training thread) takes the newest step that some node
 marks committed and whose parts some node holds, if it is not older than the durable tier's newest: each rank
@@ -38,6 +40,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ft_checkpoint.config import CheckpointConfig
 from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, StateMismatchError, StorageError
@@ -50,7 +53,7 @@ from ft_checkpoint.policies.policy import SaveContext, SavePolicy, find_policy
 from ft_checkpoint.run.dist import Groups
 from ft_checkpoint.run.lease import job_id
 from ft_checkpoint.state import merge_tree, split_tree
-from ft_checkpoint.store.storage import padded
+from ft_checkpoint.store import retry
 from ft_checkpoint.tiers import room, sources
 from ft_checkpoint.tiers.folder import FastFolder, clean_other_runs, run_key
 from ft_checkpoint.tiers.node import Ring, default_node_id
@@ -172,12 +175,10 @@ class FastTier:
     def check_room(self, tree: Mapping[str, Any], files: Mapping[str, Any] | None = None) -> None:
         """At the first fast-tier save (every rank, training thread): ConfigError on every rank if a node's fast
         tier cannot hold what it will keep (see ``room``). ``files``: the state's own staged files of this rank's
-        part (their writers' ``nbytes``)."""
+        part (their writers' ``nbytes``). Each write checks again, with the rank file's real size."""
         if self._room_checked:
             return
-        tensors, _ = split_tree(tree)
-        mine = sum(padded(t.numel() * t.element_size()) for t in local_part(tensors)[0].values()) + room.RANK_FILE_ALLOWANCE
-        mine += sum(padded(getattr(w, "nbytes", 0)) + room.RANK_FILE_ALLOWANCE for w in (files or {}).values())
+        mine = _part_bytes(split_tree(tree)[0], files or {})
         parts = self.groups.all_gather(mine)
         need = room.room_needed(self.ring, parts, node=self.node, replicas=self.replicas)
         problem = room.room_problem(self.dirpath, need=need, free=room.free_bytes(self.dirpath, self.folder.root),
@@ -205,12 +206,14 @@ class FastTier:
         """Write, copy and commit ``save.step`` from ``staged`` (the writer thread, every rank), then delete the
         older steps; whether it committed."""
         step = save.step
-        ok = self._agree(step, "written", lambda: self._write_own(step, staged, fields, writers))
+        measured = self.tier.all_gather(self._measure(staged), writer=True)  # by every rank before any rank writes
+        ok = self._agree(step, "written", lambda: self._write_own(step, staged, fields, writers, measured))
         if ok and self.replicas:
             ok = self._agree(step, "copied to its peer", lambda: self._copy(step))
         if ok:
             ok = self._agree(step, "marked committed", lambda: self._mark(step))
         if not ok:
+            self._discard(step)
             return False
         save.duration = time.monotonic() - save.started
         if self.rank == 0:
@@ -225,7 +228,29 @@ class FastTier:
             log.warning("fast tier: deleting the steps before step %d failed: %s", step, e)
         return True
 
-    def _write_own(self, step: int, staged: Mapping[str, Any], fields: dict[str, Any], writers: int) -> None:
+    def _measure(self, staged: Mapping[str, Any]) -> tuple[int, int] | None:
+        """``(bytes of this rank's part of the save, with its rank file's real size; the room of its node's fast
+        tier)``, or None if unknown."""
+        try:
+            return (_part_bytes(staged["tensors"], staged.get("files", {}), rank_file=len(staged["rank_file"])),
+                    room.free_bytes(self.dirpath, self.folder.root))
+        except Exception as e:  # never a reason to skip the gather of what every rank measured
+            log.debug("fast tier: the room for rank %d's part was not measured: %s", self.rank, e)
+            return None
+
+    def _check_room(self, measured: list[tuple[int, int] | None]) -> None:
+        """ConfigError if this node's fast tier cannot hold what it will keep, counted with every part's real size."""
+        known = [m for m in measured if m is not None]
+        if len(known) < len(measured):  # a rank could not measure: its write says what is wrong
+            return
+        need = room.room_needed(self.ring, [part for part, _ in known], node=self.node, replicas=self.replicas)
+        problem = room.room_problem(self.dirpath, need=need, free=known[self.rank][1], node=self.node)
+        if problem:
+            raise ConfigError(problem)
+
+    def _write_own(self, step: int, staged: Mapping[str, Any], fields: dict[str, Any], writers: int,
+                   measured: list[tuple[int, int] | None]) -> None:
+        self._check_room(measured)
         keep = {s for s in (self.committed, step) if s is not None}
         for rank in self.held:
             self.folder.retain(rank, keep)
@@ -252,13 +277,29 @@ class FastTier:
             self.folder.commit(rank, step=step, world_size=self.ring.world_size, save=self.attempt)
         self.committed = step
 
+    def _discard(self, step: int) -> None:
+        """Delete at once what this rank wrote of ``step``, which was not committed (it takes room the node may
+        need), in each folder that does not mark ``step`` committed: a committed step is never deleted here."""
+        for rank in self.held:
+            mark = self.folder.committed(rank)
+            if mark is not None and mark.step == step:
+                continue
+            try:
+                layout.delete_step(self.folder.storage(rank), step)
+            except (OSError, StorageError) as e:
+                log.warning("fast tier: deleting what step %d left failed (the next save retries): %s", step, e)
+
     def _agree(self, step: int, what: str, fn: Callable[[], None]) -> bool:
-        """Run ``fn`` here; whether it succeeded on every rank (a warning on rank 0 names the failures)."""
+        """Run ``fn`` here; whether it succeeded on every rank (a warning on rank 0 names the failures). Every rank
+        takes part in the agreement whatever ``fn`` raised: none is left waiting in it."""
         try:
             fn()
             outcome = None
-        except Exception as e:  # the fast tier never stops training: the failure is reported, the step not committed
-            outcome = f"rank {self.rank} ({self.node}): {type(e).__name__}: {e}"
+        except (Exception, CheckpointException) as e:  # the fast tier never stops training: a warning, not committed
+            outcome = f"rank {self.rank} ({self.node}): {retry.describe(e)}"
+        except BaseException as e:  # an interrupt goes on up, once every rank heard of it
+            self.tier.all_gather(f"rank {self.rank} ({self.node}): {type(e).__name__}", writer=True)
+            raise
         failures = [o for o in self.tier.all_gather(outcome, writer=True) if o]
         if failures and self.rank == 0:
             log.warning("fast-tier step %d not committed (not %s everywhere): %s; the fast tier keeps step %s",
@@ -387,6 +428,13 @@ class FastTier:
                 self.folder.remove_all()
         except (OSError, StorageError) as e:
             log.warning("could not delete the fast tier's folder %s at the clean end: %s", self.folder.root, e)
+
+
+def _part_bytes(tensors: Mapping[str, Any], files: Mapping[str, Any], *, rank_file: int = 0) -> int:
+    """Bytes of this rank's part of a save (see ``room.part_bytes``): ``tensors`` as staged (a DTensor counts its
+    local shard), ``files`` the state's own (their writers' ``nbytes``)."""
+    return room.part_bytes([t.numel() * t.element_size() for t in local_part(tensors)[0].values()],
+                           [getattr(w, "nbytes", 0) for w in files.values()], rank_file=rank_file)
 
 
 def _why_not(holdings: list[sources.Holding], ring: Ring, complete: list[sources.StepPlan], ruled_out: set[Any],

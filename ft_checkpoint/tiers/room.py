@@ -2,8 +2,10 @@
 
 A node holds, for each of its ranks and for each rank whose peer copy it keeps, two steps at most: the newest
 committed one and the one being written. Each rank's part is its staged bytes (every tensor of its local state,
-as staged) plus its rank file. The fast tier has room if the free space of its filesystem, plus what this run
-holds there already (it will be replaced), covers that.
+as staged) plus its rank file (the non-tensor state), whose size is known only once it is serialized, on the
+writer: the first save counts an allowance for it, and each write checks again with its real size, before any
+rank writes (a step that would not fit is not written). The fast tier has room if the free space of its
+filesystem, plus what this run holds there already (it will be replaced), covers that.
 
 Example:
     >>> from ft_checkpoint.tiers.node import Ring
@@ -18,14 +20,30 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterable
 
+from ft_checkpoint.store.storage import padded
 from ft_checkpoint.tiers.node import Ring
 from ft_checkpoint.units import human_bytes
 
 STEPS_KEPT = 2
 """Steps a rank folder holds at most: the newest committed one and the one being written."""
 RANK_FILE_ALLOWANCE = 1 << 20
-"""Bytes counted for a rank's non-tensor state and metadata (known only once written)."""
+"""Bytes counted for a part's metadata and its rank file until the rank file's size is known, and for each file of
+the state's own (its non-tensor content)."""
+
+
+def part_bytes(tensors: Iterable[int], files: Iterable[int] = (), *, rank_file: int = 0) -> int:
+    """Bytes of one rank's part: its tensors' (``tensors``: each one's bytes) and its own files' (``files``: the
+    bytes of each one's tensors), page-rounded, with :data:`RANK_FILE_ALLOWANCE` for the metadata and each own file,
+    and ``rank_file``, its rank file's size once serialized (0 before: the allowance stands for it).
+
+    Example:
+        >>> part_bytes([10], rank_file=5000) == 4096 + RANK_FILE_ALLOWANCE + 8192
+        True
+    """
+    return (sum(padded(n) for n in tensors) + RANK_FILE_ALLOWANCE + padded(rank_file)
+            + sum(padded(n) + RANK_FILE_ALLOWANCE for n in files))
 
 
 def room_needed(ring: Ring, part_bytes: list[int], *, node: str, replicas: int) -> int:

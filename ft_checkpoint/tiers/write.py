@@ -23,12 +23,14 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ft_checkpoint.errors import SaveError
 from ft_checkpoint.format import layout, shards
 from ft_checkpoint.format.signing import Signer
 from ft_checkpoint.save.engine import FileWriter, versions, write_own_files
 from ft_checkpoint.save.staging import _is_dtensor
+from ft_checkpoint.store import retry
 from ft_checkpoint.store.storage import Storage
 
 FAST_TIER = "fast_tier"
@@ -65,13 +67,17 @@ def write_rank_step(storage: Storage, step: int, tensors: Mapping[str, torch.Ten
 
     ``fields`` are the durable manifest's (epoch, metadata); with a ``signer`` the manifest is signed as a durable
     one is (the same key and run: a resume checks it the same way). What an interrupted write of the step left is
-    deleted first. Buffered writes (no ``O_DIRECT``): a resume reads the files back from the page cache.
+    deleted first. Buffered writes (no ``O_DIRECT``): a resume reads the files back from the page cache. A write that
+    fails raises an ``Exception`` (DCP's own, a ``BaseException``, becomes a SaveError naming the error inside it).
     """
     rel = layout.step_dir(step)
     if not layout.delete_step(storage, step, before_write=True):
         raise SaveError(f"{storage.url_of(rel)} could not be cleared before the save (see the warning above)")
     writer = shards.ShardWriter(storage, rel, rank=0, writers=writers)
-    dcp.save(dict(tensors), storage_writer=writer, no_dist=True)
+    try:
+        dcp.save(dict(tensors), storage_writer=writer, no_dist=True)
+    except CheckpointException as e:  # DCP's exception is a BaseException: make it one callers catch
+        raise SaveError(f"{storage.url_of(rel)} not written: {'; '.join(map(retry.describe, retry.failures(e)))}") from e
     name = layout.rank_file(0)
     storage.write_bytes(f"{rel}/{name}", rank_file, atomic=False)
     entries = {**writer.files, **write_own_files(storage, rel, files or {}),

@@ -11,19 +11,24 @@ import copy
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
+import traceback
 
 import pytest
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ft_checkpoint import CheckpointManager
 from ft_checkpoint.config import CheckpointConfig
-from ft_checkpoint.errors import CheckpointCorruptError, ConfigError
+from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, StorageError
 from ft_checkpoint.format import layout
+from ft_checkpoint.run.dist import Groups
 from ft_checkpoint.run.journal import read_journal
 from ft_checkpoint.run.lease import job_id
+from ft_checkpoint.save.engine import CheckpointEngine
 from ft_checkpoint.store.storage import Storage
 from ft_checkpoint.tiers.folder import FastFolder, run_key, runs_in
 from ft_checkpoint.tiers.transfer import Incoming, Outgoing
@@ -281,14 +286,91 @@ def test_another_world_size_falls_back_to_the_durable_tier_saying_why(tmp_path, 
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path):
-    """A 1 MiB tmpfs, as a container's small /dev/shm (needs root; skipped otherwise)."""
-    where = tmp_path / "shm"
-    where.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)], capture_output=True).returncode:
-        pytest.skip("mounting a tmpfs needs root")
-    yield str(where)
-    subprocess.run(["umount", str(where)], check=True)
+def tmpfs(tmp_path):
+    """``tmpfs(options)``: a new tmpfs mounted with ``options`` (``"size=1m"``), as a container's small /dev/shm
+    (needs root; skipped otherwise), unmounted at the end."""
+    mounted: list[str] = []
+
+    def mount(options: str) -> str:
+        where = tmp_path / f"shm{len(mounted)}"
+        where.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True).returncode:
+            pytest.skip("mounting a tmpfs needs root")
+        mounted.append(str(where))
+        return str(where)
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", where], check=True)
+
+
+@pytest.fixture
+def small_tmpfs(tmpfs):
+    """A 1 MiB tmpfs."""
+    return tmpfs("size=1m")
+
+
+def take_files(where: str, *, leave: int) -> None:
+    """Another process takes all but ``leave`` of the files (inodes) the filesystem of ``where`` can hold."""
+    os.makedirs(f"{where}/other_job")
+    n = 0
+    with pytest.raises(OSError, match="No space left"):
+        while True:
+            open(f"{where}/other_job/{n}", "wb").close()
+            n += 1
+    for i in range(leave):
+        os.remove(f"{where}/other_job/{n - 1 - i}")
+
+
+def remount_read_only(where: str, *, leave: int) -> None:
+    subprocess.run(["mount", "-o", "remount,ro", where], check=True)
+
+
+@pytest.mark.parametrize("fault, error", [(take_files, "no space left on device"),
+                                          (remount_read_only, "Read-only file system")])
+def test_a_fast_tier_write_that_fails_midrun_never_stops_training_and_leaves_no_partial_step(tmp_path, tmpfs, caplog,
+                                                                                              fault, error):
+    fast, state = tmpfs("size=8m,nr_inodes=64"), make(seed=0)
+    with caplog.at_level(logging.WARNING, logger="ft_checkpoint"), \
+            CheckpointManager(str(tmp_path / "ckpt"), interval=2, fast_dirpath=fast, fast_interval=1) as ckpt:
+        for step in range(1, 6):
+            train_step(state)
+            ckpt.maybe_save(step, state)
+            ckpt.wait()
+            if step == 3:  # step 4's write fails inside DCP's save, after its directory and a data file (take_files)
+                fault(fast, leave=2)
+        assert ckpt.latest() == 4, "the durable save of the step due on both tiers commits"
+        assert ckpt.fast is not None and ckpt.fast.committed == 3
+        assert layout.list_steps(ckpt.fast.folder.storage(0)) == {3: True}, "no partial step 4 or 5 stays"
+    assert "fast-tier step 4 not committed (not written everywhere)" in caplog.text and error in caplog.text
+
+
+def test_a_fast_tier_too_small_for_the_non_tensor_state_is_not_filled(tmp_path, tmpfs, caplog):
+    fast, state = tmpfs("size=4m"), {"model": torch.nn.Linear(4, 4), "order": list(range(600_000))}  # ~3 MB pickled
+    with caplog.at_level(logging.WARNING, logger="ft_checkpoint"), \
+            CheckpointManager(str(tmp_path / "ckpt"), interval=2, fast_dirpath=fast, fast_interval=1) as ckpt:
+        for step in (1, 2):
+            ckpt.maybe_save(step, state)
+            ckpt.wait()
+            assert shutil.disk_usage(fast).free > 4_000_000, "the fast tier is left with its room"
+        assert ckpt.latest() == 2 and ckpt.fast is not None and ckpt.fast.committed is None
+        assert layout.list_steps(ckpt.fast.folder.storage(0)) == {}
+    assert re.search(r"fast-tier step 1 not committed .*has 4.\d+ MB free, and needs [6-9].\d+ MB .*HINT: give it more "
+                     "room", caplog.text)
+
+
+def test_whatever_the_fast_tiers_write_raises_the_durable_write_of_the_same_step_commits(tmp_path, caplog):
+    def fails(staged: dict) -> None:  # DCP's exception is a BaseException
+        raise CheckpointException("fast tier", {0: (StorageError("write x: no space left on device"),
+                                                    traceback.extract_stack())})
+
+    engine = CheckpointEngine(Storage(str(tmp_path / "ckpt")), Groups())
+    with caplog.at_level(logging.WARNING, logger="ft_checkpoint"):
+        engine.save(7, {"w": torch.arange(3.0)}, tier_write=fails)
+        stats = engine.wait()
+    engine.close()
+    assert stats is not None and stats.committed and layout.list_steps(engine.storage) == {7: True}
+    assert "no space left on device" in caplog.text
 
 
 def test_a_fast_tier_too_small_fails_at_the_first_save_with_free_and_needed_bytes(tmp_path, small_tmpfs):
