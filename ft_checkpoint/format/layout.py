@@ -534,7 +534,10 @@ def _checksum_problem(storage: Storage, rel: str, entry: FileEntry, on_bytes: On
                 on_bytes(len(chunk))
             yield chunk
 
-    return None if crc.matches(entry.checksum, counted()) else "does not match its checksum (corrupted)"
+    try:
+        return None if crc.matches(entry.checksum, counted()) else "does not match its checksum (corrupted)"
+    except CheckpointCorruptError as e:  # swapped for a FIFO or a link since the listing: the message names it
+        return f"changed since it was listed: {e}"
 
 
 # -- deleting and setting aside ----------------------------------------------------------------

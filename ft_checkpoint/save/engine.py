@@ -62,6 +62,7 @@ from ft_checkpoint.save.staging import Stager
 from ft_checkpoint.save.writer_process import ProcessSink, WriterProcess
 from ft_checkpoint.state import split_tree
 from ft_checkpoint.store import checksum, retry
+from ft_checkpoint.store.nofollow import DirectoryId
 from ft_checkpoint.store.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -345,7 +346,7 @@ class CheckpointEngine:
     def _write_once(self, stats: SaveStats, staged: dict[str, Any], fields: dict[str, Any],
                     listener: SaveListener | None) -> int | None:
         g, step, rel = self.groups, stats.step, layout.step_dir(stats.step)
-        self._agree(step, lambda: self._clear(stats, listener) if g.rank == 0 else None)
+        made = self._agree(step, lambda: self._clear(stats, listener) if g.rank == 0 else None)
         self.phase("writing", step)
         tensors = staged["tensors"]
         prints = {k: fingerprint(t) for k, t in tensors.items() if type(t).__name__ != "DTensor"}
@@ -362,21 +363,24 @@ class CheckpointEngine:
                                                           for k in c})):
             return None  # every rank abandons the step: one rank's torn snapshot is the step's
         files = {**writer.files, **{name: entry for (name, entry), _, _ in shared}, **own}
-        return self._agree(step, lambda: self._commit(stats, files, fields, listener) if g.rank == 0 else None,
+        return self._agree(step, lambda: self._commit(stats, files, fields, listener, made) if g.rank == 0 else None,
                            gather=True)[0]
 
-    def _clear(self, stats: SaveStats, listener: SaveListener | None) -> None:
+    def _clear(self, stats: SaveStats, listener: SaveListener | None) -> DirectoryId | None:
         """Rank 0: delete what an interrupted save of this step left behind (a link planted in its place: the link,
-        never its target); SaveError if something is left that the save would write through."""
+        never its target) and make the step directory afresh; SaveError if something is left that the save would
+        write through. Returns the directory's identity (local disk), which the commit checks."""
         if listener is not None:
             listener.check_writable(stats)
         if not layout.delete_step(self.storage, stats.step, before_write=True):
             raise SaveError(f"{self.storage.url_of(layout.step_dir(stats.step))} could not be cleared before the save "
                             "(see the warning above); nothing was written there")
+        return self.storage.make_directory(layout.step_dir(stats.step))
 
     def _commit(self, stats: SaveStats, files: dict[str, layout.FileEntry], fields: dict[str, Any],
-                listener: SaveListener | None) -> int:
-        """Rank 0: write the manifest, last, in one object. Every rank learns the outcome (see ``_agree``)."""
+                listener: SaveListener | None, made: DirectoryId | None) -> int:
+        """Rank 0: write the manifest, last, in one object, into the step directory that ``_clear`` made (``made``:
+        not one swapped in since). Every rank learns the outcome (see ``_agree``)."""
         manifest = layout.Manifest(step=stats.step, world_size=self.groups.world_size, files=files,
                                    versions=versions(), **fields)
         if self.signer is not None:
@@ -384,7 +388,7 @@ class CheckpointEngine:
         if listener is not None:
             listener.check_writable(stats)
         self.phase("committing", stats.step)
-        self.storage.write_bytes(f"{layout.step_dir(stats.step)}/{layout.MANIFEST}", manifest.to_json())
+        self.storage.write_bytes(f"{layout.step_dir(stats.step)}/{layout.MANIFEST}", manifest.to_json(), made=made)
         self.phase("committed", stats.step)
         return manifest.total_bytes
 

@@ -2,12 +2,17 @@
 
 Whoever can write the checkpoint directory may put a FIFO, a directory or a link (to ``/dev/zero``, to another
 run's step) where ft-checkpoint expects its own files, or swap a step directory for a link between a listing and
-a delete. So, on local disk (``Storage`` calls these; object stores have neither links nor special files):
+a delete, a clear and a write, a check and a read. So, on local disk (``Storage`` calls these; object stores have
+neither links nor special files), every directory below the root is opened with ``O_DIRECTORY | O_NOFOLLOW``,
+one name at a time, and:
 
-- a control file is opened with ``O_NOFOLLOW | O_NONBLOCK``, checked with ``fstat`` and read up to a cap;
-- a directory is emptied relative to a descriptor opened with ``O_DIRECTORY | O_NOFOLLOW``: only the names of
-  its own listing are unlinked (a link is removed itself), then it is removed relative to its parent;
-- a rename is made relative to the directories of both names, opened the same way.
+- a file is opened for reading relative to its directory with ``O_NOFOLLOW | O_NONBLOCK`` and checked with
+  ``fstat`` (a control file is also read up to a cap);
+- a file is written relative to its directory: whatever holds its name is unlinked (a link, even a hard link,
+  is removed itself) and the file is created afresh (``O_EXCL``), or written aside and renamed over its name;
+- a directory is emptied relative to a descriptor of its own: only the names of its own listing are unlinked
+  (a link is removed itself), then it is removed relative to its parent;
+- a rename is made relative to the directories of both names.
 
 The root of the checkpoint directory is opened as the user named it (it may be a link of theirs).
 
@@ -30,11 +35,14 @@ import logging
 import os
 import posixpath
 import stat
+import uuid
 from collections.abc import Callable, Container, Iterator
 
 from ft_checkpoint.errors import CheckpointCorruptError
 
 log = logging.getLogger(__name__)
+_ROOT = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+"""How the root is opened: as the user named it (it may be a link of theirs)."""
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 """How a directory below the root is opened: never through a symbolic link."""
 _NOT_A_DIRECTORY = (errno.ELOOP, errno.ENOTDIR)
@@ -42,6 +50,13 @@ _NOT_A_DIRECTORY = (errno.ELOOP, errno.ENOTDIR)
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
 _READ_SLICE = 16 << 20
+_FILE = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+"""How a file is opened: never through a symbolic link, never waiting (a FIFO opens at once, for ``fstat``)."""
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+"""How a file is written: always a new one (a name that exists, even a link, is never opened)."""
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+DirectoryId = tuple[int, int]
+"""A directory's ``(st_dev, st_ino)``: which directory a name referred to when it was made."""
 
 
 def too_large(url: str, max_bytes: int) -> CheckpointCorruptError:
@@ -64,8 +79,13 @@ def read_regular_file(path: str, *, max_bytes: int, url: str) -> bytes:
         Traceback (most recent call last):
         ft_checkpoint.errors.CheckpointCorruptError: this module: larger than the 10 bytes ...
     """
-    with _open_regular(path, max_bytes=max_bytes, url=url) as (fd, _):
+    fd = _open_regular(path, url)
+    try:
+        if os.fstat(fd).st_size > max_bytes:
+            raise too_large(url, max_bytes)
         return _read_at_most(fd, max_bytes + 1)  # a file that grew since fstat: the caller sees the extra byte
+    finally:
+        os.close(fd)
 
 
 FileId = tuple[int, int]
@@ -82,34 +102,158 @@ def read_regular_file_unless(path: str, known: Container[FileId], *, max_bytes: 
         >>> data[3:9], read_regular_file_unless(__file__, {identity}, max_bytes=1 << 20, url="this module")[1]
         (b'Local-', None)
     """
-    with _open_regular(path, max_bytes=max_bytes, url=url) as (fd, info):
-        identity = (info.st_dev, info.st_ino)
-        return identity, None if identity in known else _read_at_most(fd, max_bytes + 1)
-
-
-@contextlib.contextmanager
-def _open_regular(path: str, *, max_bytes: int, url: str) -> Iterator[tuple[int, os.stat_result]]:
-    """A descriptor of ``path`` and its ``fstat``, if it is a regular file of at most ``max_bytes`` (see
-    :func:`read_regular_file`); closed on exit."""
+    fd = _open_regular(path, url)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        info = os.fstat(fd)
+        identity = (info.st_dev, info.st_ino)
+        if identity in known:
+            return identity, None
+        if info.st_size > max_bytes:
+            raise too_large(url, max_bytes)
+        return identity, _read_at_most(fd, max_bytes + 1)
+    finally:
+        os.close(fd)
+
+
+def open_regular_file(root: str, rel: str, *, url: str) -> int:
+    """A descriptor of ``root/rel`` open for reading, if it is a regular file: neither ``rel``'s directories nor
+    the file are opened through a link, nor does the open wait (CheckpointCorruptError naming ``url`` at once for
+    a link, a FIFO, a device, a socket or a directory). The caller reads from it (blocking) and closes it.
+
+    Example:
+        >>> import tempfile
+        >>> root = tempfile.mkdtemp(); os.mkfifo(os.path.join(root, "shard"))
+        >>> try:
+        ...     open_regular_file(root, "shard", url="shard")
+        ... except CheckpointCorruptError as e:
+        ...     print(str(e)[:35])
+        shard is a FIFO, not a regular file
+    """
+    parent, name = posixpath.split(rel)
+    with open_directory(root, parent, url=url) as directory:
+        return _open_regular(name, url, directory)
+
+
+def _open_regular(path: str, url: str, directory: int | None = None) -> int:
+    try:
+        fd = os.open(path, os.O_RDONLY | _FILE, dir_fd=directory)
     except OSError as e:
         if e.errno not in (errno.ELOOP, errno.ENXIO):  # a symbolic link; a socket
             raise
         raise _not_regular(url, "a symbolic link" if e.errno == errno.ELOOP else "a socket") from None
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise _not_regular(url, next((name for test, name in _KINDS if test(info.st_mode)), "a special file"))
-        if info.st_size > max_bytes:
-            raise too_large(url, max_bytes)
-        yield fd, info
-    finally:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(url, next((name for test, name in _KINDS if test(mode)), "a special file"))
+        os.set_blocking(fd, True)
+    except BaseException:
         os.close(fd)
+        raise
+    return fd
 
 
-def _not_regular(url: str, kind: str) -> CheckpointCorruptError:
-    return CheckpointCorruptError(f"{url} is {kind}, not a regular file: refusing to read it (nothing but the "
+def create_file(root: str, rel: str, *, url: str, direct: bool = False) -> int:
+    """A descriptor of ``root/rel`` open for writing, a new empty regular file: the directories on its way are
+    opened (or made) without following a link (CheckpointCorruptError naming ``url`` if one is a link or a file),
+    and whatever held the name is unlinked first (a link or a hard link is removed itself, never its target).
+    ``direct``: with ``O_DIRECT`` where the filesystem allows it.
+
+    Example:
+        >>> import tempfile
+        >>> root = tempfile.mkdtemp(); os.symlink("/etc/hostname", os.path.join(root, "a.bin"))
+        >>> os.close(create_file(root, "step/a.bin", url="a.bin")); os.close(create_file(root, "a.bin", url="a.bin"))
+        >>> sorted(os.listdir(root)), os.path.islink(os.path.join(root, "a.bin"))
+        (['a.bin', 'step'], False)
+    """
+    parent, name = posixpath.split(rel)
+    with open_directory(root, parent, url=url, create=True) as directory:
+        if direct and _O_DIRECT:
+            try:
+                return _create(directory, name, url, _O_DIRECT)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                log.debug("no O_DIRECT for %s (%s): a buffered write", url, e)
+        return _create(directory, name, url)
+
+
+def _create(directory: int, name: str, url: str, flags: int = 0) -> int:
+    try:
+        os.unlink(name, dir_fd=directory)
+    except FileNotFoundError:
+        pass
+    except (IsADirectoryError, PermissionError):
+        if stat.S_ISDIR(os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode):
+            raise _not_regular(url, "a directory", "write it") from None
+        raise
+    try:
+        return os.open(name, _CREATE | flags, 0o644, dir_fd=directory)
+    except FileExistsError:
+        raise CheckpointCorruptError(f"{url}: another file took its name as it was written (someone else writes "
+                                     "this directory?); nothing is written through it") from None
+
+
+def replace_file(root: str, rel: str, data: bytes, *, url: str, fsync: bool, made: DirectoryId | None = None) -> None:
+    """Write ``data`` as ``root/rel`` atomically: into a new file beside it, renamed over its name, all relative
+    to its directory opened (or made) without following a link (see :func:`create_file`). ``made``: what
+    :func:`make_directory` returned for that directory; CheckpointCorruptError, nothing written, if its name
+    refers to another directory now (swapped since).
+
+    Example:
+        >>> import tempfile
+        >>> root = tempfile.mkdtemp(); made = make_directory(root, "step", url="step")
+        >>> replace_file(root, "step/manifest.json", b"{}", url="manifest.json", fsync=False, made=made)
+        >>> os.listdir(os.path.join(root, "step"))
+        ['manifest.json']
+    """
+    parent, name = posixpath.split(rel)
+    with open_directory(root, parent, url=url, create=True) as directory:
+        if made is not None and _identity(os.fstat(directory)) != made:
+            raise CheckpointCorruptError(f"{url}: its directory is no longer the directory this save created (it "
+                                         "was swapped for another since); nothing is written there")
+        tmp = f"{name}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            with open(_create(directory, tmp, url), "wb") as f:
+                f.write(data)
+                f.flush()
+                if fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, name, src_dir_fd=directory, dst_dir_fd=directory)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=directory)
+            raise
+        if fsync:
+            os.fsync(directory)
+
+
+def make_directory(root: str, rel: str, *, url: str) -> DirectoryId:
+    """Make the directory ``root/rel``, which must not exist, without following a link on its way; its identity
+    (CheckpointCorruptError naming ``url`` if anything took the name first, e.g. a link planted again).
+
+    Example:
+        >>> import tempfile
+        >>> root = tempfile.mkdtemp(); made = make_directory(root, "step", url="step")
+        >>> made == (os.stat(root + "/step").st_dev, os.stat(root + "/step").st_ino)
+        True
+    """
+    parent, name = posixpath.split(rel)
+    with open_directory(root, parent, url=url, create=True) as directory:
+        try:
+            os.mkdir(name, dir_fd=directory)
+        except FileExistsError:
+            raise CheckpointCorruptError(f"{url}: something took this name right after it was cleared (a symbolic "
+                                         "link planted again?); nothing is written there. HINT: make sure nothing "
+                                         "else writes into the checkpoint directory") from None
+        return _identity(os.stat(name, dir_fd=directory, follow_symlinks=False))
+
+
+def _identity(info: os.stat_result) -> DirectoryId:
+    return info.st_dev, info.st_ino
+
+
+def _not_regular(url: str, kind: str, doing: str = "read it") -> CheckpointCorruptError:
+    return CheckpointCorruptError(f"{url} is {kind}, not a regular file: refusing to {doing} (nothing but the "
                                   "files ft-checkpoint writes belongs there). HINT: remove it")
 
 
@@ -122,24 +266,57 @@ def _read_at_most(fd: int, limit: int) -> bytes:
 
 
 @contextlib.contextmanager
-def open_directory(root: str, rel: str) -> Iterator[int]:
+def open_directory(root: str, rel: str, *, url: str | None = None, create: bool = False) -> Iterator[int]:
     """A descriptor of ``root/rel``: ``root`` as the user named it, each component of ``rel`` without following
-    a link (NotADirectoryError or ELOOP if one is a link or a file).
+    a link (NotADirectoryError or ELOOP if one is a link or a file; with ``url``, CheckpointCorruptError naming it).
+    ``create``: missing directories are made (the root too).
 
     Example:
         >>> with open_directory("/", "") as fd:
         ...     "tmp" in os.listdir(fd)
         True
     """
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        for part in filter(None, rel.split("/")):
-            inner = os.open(part, _DIRECTORY, dir_fd=fd)
-            os.close(fd)
-            fd = inner
+        fd = _open_path(root, rel, create)
+    except OSError as e:
+        if url is None or e.errno not in _NOT_A_DIRECTORY:
+            raise
+        raise CheckpointCorruptError(f"{url}: a directory on its way is a symbolic link or not a directory; nothing "
+                                     "is read or written through it") from e
+    try:
         yield fd
     finally:
         os.close(fd)
+
+
+def _open_path(root: str, rel: str, create: bool) -> int:
+    try:
+        fd = os.open(root, _ROOT)
+    except FileNotFoundError:
+        if not create:
+            raise
+        os.makedirs(root, exist_ok=True)
+        fd = os.open(root, _ROOT)
+    try:
+        for part in filter(None, rel.split("/")):
+            inner = _open_subdirectory(fd, part, create)
+            os.close(fd)
+            fd = inner
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_subdirectory(parent: int, name: str, create: bool) -> int:
+    try:
+        return os.open(name, _DIRECTORY, dir_fd=parent)
+    except FileNotFoundError:
+        if not create:
+            raise
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(name, dir_fd=parent)
+    return os.open(name, _DIRECTORY, dir_fd=parent)
 
 
 def rename(root: str, rel: str, new_rel: str, *, url: str) -> None:

@@ -35,7 +35,6 @@ import posixpath
 import socket
 import struct
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, TypeVar
 
@@ -57,6 +56,7 @@ from ft_checkpoint.store.buffer_pool import BufferPool
 from ft_checkpoint.store.checksum import combine_all, crc32c_of, crcs_while_writing
 from ft_checkpoint.store.client_retries import single_attempt, single_attempt_options
 from ft_checkpoint.store.memory_fs import LockedMemoryFileSystem
+from ft_checkpoint.store.nofollow import DirectoryId
 from ft_checkpoint.units import human_seconds, plural
 
 log = logging.getLogger(__name__)
@@ -230,21 +230,6 @@ class StoredChecksumMismatch(ConnectionError):
     """The store's own checksum of an object differs from ours: the bytes changed on the way (retried)."""
 
 
-def _open_direct(path: str) -> Any:
-    """``path`` opened for writing with ``O_DIRECT``, or None where the OS or filesystem refuses it (tmpfs)."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return None
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644)
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
-        log.debug("no O_DIRECT for %s (%s): a buffered write", path, e)
-        return None
-    return open(fd, "wb", buffering=0)
-
-
 class _CountingWriter:
     """A write-only file that passes everything to ``f``, counting the bytes and their CRC-32C."""
 
@@ -395,15 +380,19 @@ class Storage:
                 raise StorageNotFoundError(
                     f"bucket {bucket!r} of {self.url} does not exist. HINT: create it first, or fix the URL") from None
 
-    def write_bytes(self, rel: str, data: bytes, *, atomic: bool = True) -> None:
+    def write_bytes(self, rel: str, data: bytes, *, atomic: bool = True, made: DirectoryId | None = None) -> None:
         """Write one object whole, durably. On local disk atomically (tmp + fsync + rename + directory fsync);
         with ``atomic=False`` in place (one fsync): for a file inside a step, which no reader sees before the
         step's manifest (written atomically, after it) makes the step and its directory entries durable.
-        On an object store the store's CRC-32C of our upload is compared with ours (see :meth:`_check_stored`)."""
+        Never through a link (see :meth:`open_write`); ``made`` (with ``atomic``): what :meth:`make_directory`
+        returned for the directory of ``rel`` (CheckpointCorruptError, nothing written, if that name refers to
+        another directory now). On an object store the store's CRC-32C of our upload is compared with ours (see
+        :meth:`_check_stored`)."""
         if not self.is_local:
             self._call("write", rel, self._put, rel, data)
         elif atomic:
-            self._call("write", rel, self._write_local, rel, data)
+            self._call("write", rel, nofollow.replace_file, self.root, rel, data, url=self.url_of(rel),
+                       fsync=self.fsync, made=made)
         else:
             self.write_views(rel, [memoryview(data)])
 
@@ -438,21 +427,18 @@ class Storage:
             raise StoredChecksumMismatch(f"{self.url_of(rel)}: the store's CRC-32C of the object ({stored}) is not "
                                          f"that of the {size} bytes written ({ours}): corrupted on the way")
 
-    def _write_local(self, rel: str, data: bytes) -> None:
-        final = self.path(rel)
-        os.makedirs(os.path.dirname(final), exist_ok=True)
-        tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                if self.fsync:
-                    os.fsync(f.fileno())
-            os.replace(tmp, final)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-        self.sync_dir(os.path.dirname(rel))
+    def make_directory(self, rel: str) -> DirectoryId | None:
+        """Make the directory ``rel``, which must not exist (a step just cleared), and return its identity for
+        :meth:`write_bytes`; on local disk never through a link, and CheckpointCorruptError if anything took
+        its name first (a link planted again). Object stores have no directories: None.
+
+        Example:
+            >>> print(Storage("memory://doc/mkdir").make_directory("step_000000000001"))
+            None
+        """
+        if not self.is_local:
+            return None
+        return self._call("create directory", rel, nofollow.make_directory, self.root, rel, url=self.url_of(rel))
 
     @contextlib.contextmanager
     def open_write(self, rel: str, *, direct: bool = False) -> Iterator[Any]:
@@ -460,15 +446,14 @@ class Storage:
         disk an unbuffered file (each ``write`` goes straight to the OS, releasing the GIL), fsynced on close;
         with ``direct``, opened with ``O_DIRECT`` where the filesystem allows it: the bytes go from the
         caller's memory to the disk without a copy into the page cache (every write must then be aligned
-        to :data:`DIRECT_ALIGN` in address, length and file offset)."""
-        path = self.path(rel)
+        to :data:`DIRECT_ALIGN` in address, length and file offset). On local disk never through a link: the
+        directories on the way are opened without following one (CheckpointCorruptError if one is a link),
+        and the file is created afresh (a link or a hard link in its place is removed itself, never its target)."""
         if not self.is_local:
-            with self.fs.open(path, "wb", block_size=PART_SIZE) as f:
+            with self.fs.open(self.path(rel), "wb", block_size=PART_SIZE) as f:
                 yield f
             return
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        f = _open_direct(path) if direct else None
-        with f or open(path, "wb", buffering=0) as f:
+        with open(nofollow.create_file(self.root, rel, url=self.url_of(rel), direct=direct), "wb", buffering=0) as f:
             yield f
             if self.fsync:
                 os.fsync(f.fileno())
@@ -540,27 +525,36 @@ class Storage:
     @contextlib.contextmanager
     def open_read(self, rel: str) -> Iterator[Any]:
         """A seekable file to read ``rel`` from, with ``readinto``: unbuffered (on an object store each read
-        is one ranged get, with no read-ahead: read large ranges, see ``shards.ShardReader``)."""
-        path = self.path(rel)
+        is one ranged get, with no read-ahead: read large ranges, see ``shards.ShardReader``). On local disk
+        only a regular file, never through a link, and never waiting (:meth:`read_bytes`)."""
         if self.is_local:
-            with open(path, "rb", buffering=0) as f:
+            with open(self._open_local(rel), "rb", buffering=0) as f:
                 yield f
         else:
-            with self.fs.open(path, "rb", cache_type="none") as f:
+            with self.fs.open(self.path(rel), "rb", cache_type="none") as f:
                 yield f
 
+    def _open_local(self, rel: str) -> int:
+        return nofollow.open_regular_file(self.root, rel, url=self.url_of(rel))
+
     def sync_dir(self, rel: str) -> None:
-        """Make the directory entries in ``rel`` durable (local disk; a no-op elsewhere)."""
+        """Make the directory entries in ``rel`` durable (local disk, opened without following a link nor waiting on
+        a FIFO in its place; a no-op elsewhere)."""
         if self.is_local and self.fsync:
-            fd = os.open(self.path(rel), os.O_RDONLY)
-            try:
+            with nofollow.open_directory(self.root, rel, url=self.url_of(rel)) as fd:
                 os.fsync(fd)
-            finally:
-                os.close(fd)
 
     def read_bytes(self, rel: str) -> bytes:
-        """Read one whole object."""
+        """Read one whole object. On local disk only a regular file: opened without following a link (nor one on
+        its way) and without waiting, checked with ``fstat`` (CheckpointCorruptError, at once, for a link, a FIFO,
+        a device or a directory, even one swapped in since a listing), then read from that descriptor."""
+        if self.is_local:
+            return self._call("read", rel, self._read_local, rel)
         return self._call("read", rel, self.fs.cat_file, self.path(rel))
+
+    def _read_local(self, rel: str) -> bytes:
+        with open(self._open_local(rel), "rb", buffering=0) as f:
+            return f.readall()
 
     def read_control(self, rel: str, *, max_bytes: int) -> bytes:
         """Read a small control file (a manifest, the lease, a journal event) that anyone who can write the
@@ -613,8 +607,12 @@ class Storage:
         return parsed[identity]
 
     def iter_chunks(self, rel: str, chunk_size: int = 8 << 20) -> Iterator[bytes]:
-        """Stream an object in chunks (for checksums of large shards without holding them in memory)."""
-        f = self._call("open", rel, self.fs.open, self.path(rel), "rb", **self.read_options)
+        """Stream an object in chunks (for checksums of large shards without holding them in memory); on local
+        disk only a regular file (see :meth:`read_bytes`)."""
+        if self.is_local:
+            f = self._call("open", rel, lambda: open(self._open_local(rel), "rb", buffering=0))
+        else:
+            f = self._call("open", rel, self.fs.open, self.path(rel), "rb", **self.read_options)
         with f:
             while chunk := self._call("read", rel, f.read, chunk_size):
                 yield chunk

@@ -18,13 +18,16 @@ import time
 import pytest
 
 from ft_checkpoint import CheckpointManager
-from ft_checkpoint.errors import LeaseError
+from ft_checkpoint.errors import LeaseError, SaveError
 from ft_checkpoint.format import layout
 from ft_checkpoint.run import retention
 from ft_checkpoint.run.journal import read_journal
+from ft_checkpoint.save.engine import CheckpointEngine
 from ft_checkpoint.store.storage import Storage
+from ft_checkpoint.tools import catalog
 from ft_checkpoint.tools.catalog import apply_gc, plan_gc
 from tests.cli.conftest import cli
+from tests.helpers.legacy import write_legacy_step
 from tests.helpers.toy import make
 
 HANG_GUARD = 30.0
@@ -360,3 +363,130 @@ def test_a_save_never_writes_through_a_link_planted_in_place_of_its_step_directo
     assert sorted(os.listdir(victim)) == ["keep.txt"] and (victim / "keep.txt").read_text() == "other run"
     step2 = os.path.join(url, layout.step_dir(2))
     assert not os.path.islink(step2) and layout.check_step(Storage(url), 2).ok
+
+
+def test_a_link_planted_between_the_clear_and_the_writes_of_a_save_is_never_written_through(tmp_path, monkeypatch):
+    """The race of an attacker who re-creates the link in a loop: it is back right after the save's clear removed
+    it. The save used to write its files through it, into another run's step, and report success."""
+    victim, files = victim_run(tmp_path)
+    ours = str(tmp_path / "ours")
+    clear = layout.delete_step
+
+    def clear_then_plant(storage, step, *, before_write=False):
+        cleared = clear(storage, step, before_write=before_write)
+        if before_write and step == 2:
+            os.symlink(victim, os.path.join(ours, layout.step_dir(2)))
+        return cleared
+
+    monkeypatch.setattr(layout, "delete_step", clear_then_plant)
+    with CheckpointManager(ours, interval=1) as ckpt:
+        ckpt.save(1, make(), block=True)
+        with pytest.raises(SaveError, match=r"step 2 not committed: .*step_000000000002.*nothing is written"):
+            ckpt.save(2, make(), block=True)
+    assert_intact(victim, files)
+    assert layout.committed_steps(Storage(ours)) == [1]
+
+
+@pytest.mark.parametrize("swap", ["link to another run's step", "another directory"])
+def test_a_step_directory_swapped_after_the_clear_is_never_written_through_nor_committed(tmp_path, monkeypatch, swap):
+    """The step directory the save created is renamed away and its name given to a link (the writes refuse to go
+    through it) or to another directory (the writes land there, inside the run, but the commit refuses it)."""
+    victim, files = victim_run(tmp_path)
+    ours = str(tmp_path / "ours")
+    clear = CheckpointEngine._clear
+
+    def clear_then_swap(self, stats, listener):
+        made = clear(self, stats, listener)
+        path = os.path.join(ours, layout.step_dir(stats.step))
+        if stats.step == 2:
+            if os.path.isdir(path):
+                os.rename(path, path + ".aside")  # kept: a new directory cannot reuse its inode
+            os.symlink(victim, path) if swap.startswith("link") else os.mkdir(path)
+        return made
+
+    monkeypatch.setattr(CheckpointEngine, "_clear", clear_then_swap)
+    reason = "symbolic link" if swap.startswith("link") else "no longer the directory this save created"
+    with CheckpointManager(ours, interval=1) as ckpt:
+        ckpt.save(1, make(), block=True)
+        with pytest.raises(SaveError, match=rf"step 2 not committed: .*{reason}"):
+            ckpt.save(2, make(), block=True)
+    assert_intact(victim, files)
+    assert layout.committed_steps(Storage(ours)) == [1]
+
+
+def test_a_link_or_hard_link_planted_in_place_of_a_file_of_a_step_is_replaced_never_written_through(tmp_path):
+    """A file of a step is written as a new file: a symbolic or a hard link to another run's file under its name is
+    removed itself (the other run's file keeps its bytes), on every path a save writes by."""
+    victim, files = victim_run(tmp_path)
+    storage = Storage(str(tmp_path / "ours"))
+    rel = layout.step_dir(1)
+    os.makedirs(storage.path(rel))
+    for name in files:
+        os.symlink(os.path.join(victim, name), storage.path(f"{rel}/{name}"))
+    os.link(os.path.join(victim, layout.METADATA), storage.path(f"{rel}/hard.json"))
+    writes = [lambda rel: storage.write_bytes(rel, b"ours", atomic=False), lambda rel: storage.write_bytes(rel, b"ours"),
+              lambda rel: storage.write_views(rel, [memoryview(b"ours")]),
+              lambda rel: storage.write_stream(rel, lambda f: f.write(b"ours"))]
+    names = sorted([*files, "hard.json"])
+    for i, name in enumerate(names):
+        writes[i % len(writes)](f"{rel}/{name}")
+    assert_intact(victim, files)
+    for name in names:
+        assert storage.read_bytes(f"{rel}/{name}") == b"ours" and not os.path.islink(storage.path(f"{rel}/{name}"))
+
+
+def swap_after_the_check(monkeypatch, url: str, step: int, name: str, kind: str) -> None:
+    """Plant a ``kind`` special file in place of ``name`` of ``step`` right after ``layout.check_step`` looked at
+    the step (its listing found a regular file of the right size), once."""
+    check = layout.check_step
+    swapped = []
+
+    def check_then_swap(storage, checked, **kwargs):
+        result = check(storage, checked, **kwargs)
+        if checked == step and not swapped:
+            swapped.append(name)
+            plant(os.path.join(url, layout.step_dir(step), name), kind)
+        return result
+
+    monkeypatch.setattr(layout, "check_step", check_then_swap)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero"])
+@pytest.mark.parametrize(("version", "name"), [(2, "__0_0.distcp"), (2, layout.METADATA), (2, "rank_00000.pt"),
+                                               (1, "__0_0.distcp")])
+def test_a_file_swapped_for_a_special_file_after_the_check_is_corrupt_and_the_resume_falls_back(
+        tmp_path, monkeypatch, caplog, kind, version, name):
+    """The files of a step are checked from a listing, then opened by name: a FIFO renamed over one in between
+    blocked the resume forever (a format-1 step's checksum pass, a format-2 shard, metadata or rank file), and a
+    link to /dev/zero was read as zeros. Each is opened without following a link and without waiting now."""
+    url = str(tmp_path / "ckpt")
+    if version == 1:
+        write_legacy_step(url, 1, make(seed=1))
+        write_legacy_step(url, 2, make(seed=2))
+    else:
+        two_saved_steps(url)
+    swap_after_the_check(monkeypatch, url, 2, name, kind)
+    caplog.set_level(logging.WARNING, logger="ft_checkpoint")
+    with within_guard(CheckpointManager, url) as ckpt:
+        assert within_guard(ckpt.resume, make(seed=9)) == 1
+    skipped = next(r.getMessage() for r in caplog.records if "skipping step 2" in r.getMessage())
+    assert f"{name} is {'a FIFO' if kind == 'fifo' else 'a symbolic link'}, not a regular file" in skipped, skipped
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero"])
+def test_verify_reports_a_file_swapped_for_a_special_file_after_the_listing(tmp_path, monkeypatch, kind):
+    url = str(tmp_path / "ckpt")
+    two_saved_steps(url)
+    storage = Storage(url)
+    entries = storage.entries
+
+    def list_then_swap(rel=""):
+        found = entries(rel)
+        if rel == layout.step_dir(2):
+            plant(os.path.join(url, rel, "__0_0.distcp"), kind)
+        return found
+
+    monkeypatch.setattr(storage, "entries", list_then_swap)
+    check = within_guard(catalog.check_step, storage, 2)
+    assert not check.ok
+    assert any("__0_0.distcp is a" in p and "not a regular file" in p for p in check.problems), check.problems
