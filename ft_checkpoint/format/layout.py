@@ -529,7 +529,7 @@ def _entry_problem(found: Any, entry: FileEntry) -> str | None:
 
 def _checksum_problem(storage: Storage, rel: str, entry: FileEntry, on_bytes: OnBytes | None) -> str | None:
     def counted() -> Iterable[bytes]:
-        for chunk in storage.iter_chunks(rel):
+        for chunk in storage.iter_chunks(rel, size=entry.size):
             if on_bytes is not None:
                 on_bytes(len(chunk))
             yield chunk

@@ -110,9 +110,8 @@ class StepLoader:
         if entry is None:
             raise CheckpointCorruptError(f"the manifest lists no {name}")
         rel = f"{layout.step_dir(manifest.step)}/{name}"
-        self.storage.refuse_sparse(rel, entry.size)
         try:
-            data = self.storage.read_bytes(rel)
+            data = self.storage.read_bytes(rel, size=entry.size)
         except StorageError as e:
             if isinstance(e.__cause__, MemoryError):  # not an outage: retrying the step would fail the same way
                 raise CheckpointCorruptError(f"{name}: its {human_bytes(entry.size)} do not fit in this process's "

@@ -86,9 +86,6 @@ SINGLE_PUT_MAX = 100 << 20
 does below twice s3fs's 50 MiB part size); a larger one is streamed in parts,
 holding one part in memory. A multipart upload of a small file costs the server a reassembly, and two to three
 times the requests."""
-SPARSE_MIN_BYTES = 64 << 20
-SPARSE_RATIO = 64
-"""A step's file of at least SPARSE_MIN_BYTES with under 1/SPARSE_RATIO of them stored is refused as sparse."""
 GLOB_CHARACTERS = frozenset("*?[]")
 """Characters fsspec may expand as a pattern (``rm``, ``copy``, ``expand_path``): refused in a dirpath."""
 
@@ -111,6 +108,38 @@ RETRY_WINDOW = 60.0
 _LOCAL_PROTOCOLS = frozenset({"file", "local"})
 _BUCKET_PROTOCOLS = frozenset({"gs", "gcs", "s3", "s3a"})
 _EXTRAS = {"gs": "gcs", "gcs": "gcs", "s3": "s3", "s3a": "s3"}
+
+
+SPARSE_MIN_BYTES = 64 << 20
+SPARSE_RATIO = 64
+"""A step's file of at least SPARSE_MIN_BYTES with under 1/SPARSE_RATIO of them stored is refused as sparse."""
+
+
+def refuse_changed_or_sparse(info: os.stat_result, size: int, url: str) -> None:
+    """CheckpointCorruptError unless ``info`` (``fstat`` of a step's file as opened for reading) shows the ``size``
+    its manifest lists, and, from 64 MiB, at least 1/64 of it stored: a sparse file's holes read as zeros, which
+    cost whoever forged it nothing and whoever reads or hashes it gigabytes or minutes. No file that ft-checkpoint
+    writes is sparse; a filesystem that compresses stores JSON, pickles and tensors in far more than 1/64 of their
+    size. Checked on the descriptor that is then read: a file swapped in since the listing cannot escape it.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryFile() as f:
+        ...     _ = f.truncate(1 << 30)
+        ...     try:
+        ...         refuse_changed_or_sparse(os.fstat(f.fileno()), 1 << 30, "metadata.json")
+        ...     except CheckpointCorruptError as e:
+        ...         print(str(e)[:60])
+        metadata.json: listed at 1073741824 bytes, of which 0 are st
+    """
+    if info.st_size != size:
+        raise CheckpointCorruptError(f"{url}: has {info.st_size} bytes, the manifest says {size} (changed since it "
+                                     "was listed); refusing to read it")
+    stored = getattr(info, "st_blocks", None)  # not on every OS
+    if stored is not None and size >= SPARSE_MIN_BYTES and stored * 512 * SPARSE_RATIO < size:
+        raise CheckpointCorruptError(
+            f"{url}: listed at {size} bytes, of which {stored * 512} are stored on disk (a sparse file, which "
+            "ft-checkpoint never writes: forged); refusing to read it")
 
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:
@@ -534,8 +563,15 @@ class Storage:
             with self.fs.open(self.path(rel), "rb", cache_type="none") as f:
                 yield f
 
-    def _open_local(self, rel: str) -> int:
-        return nofollow.open_regular_file(self.root, rel, url=self.url_of(rel))
+    def _open_local(self, rel: str, size: int | None = None) -> int:
+        fd = nofollow.open_regular_file(self.root, rel, url=self.url_of(rel))
+        if size is not None:
+            try:
+                refuse_changed_or_sparse(os.fstat(fd), size, self.url_of(rel))
+            except BaseException:
+                os.close(fd)
+                raise
+        return fd
 
     def sync_dir(self, rel: str) -> None:
         """Make the directory entries in ``rel`` durable (local disk, opened without following a link nor waiting on
@@ -544,16 +580,24 @@ class Storage:
             with nofollow.open_directory(self.root, rel, url=self.url_of(rel)) as fd:
                 os.fsync(fd)
 
-    def read_bytes(self, rel: str) -> bytes:
+    def read_bytes(self, rel: str, *, size: int | None = None) -> bytes:
         """Read one whole object. On local disk only a regular file: opened without following a link (nor one on
         its way) and without waiting, checked with ``fstat`` (CheckpointCorruptError, at once, for a link, a FIFO,
-        a device or a directory, even one swapped in since a listing), then read from that descriptor."""
+        a device or a directory, even one swapped in since a listing), then read from that descriptor. ``size``:
+        the size a step's manifest lists for it; on local disk the file opened must have it and not be sparse
+        (:func:`refuse_changed_or_sparse`), else CheckpointCorruptError before a byte is read.
+
+        Example:
+            >>> s = Storage("memory://doc/read"); s.write_bytes("a.bin", b"abc")
+            >>> s.read_bytes("a.bin", size=3)
+            b'abc'
+        """
         if self.is_local:
-            return self._call("read", rel, self._read_local, rel)
+            return self._call("read", rel, self._read_local, rel, size)
         return self._call("read", rel, self.fs.cat_file, self.path(rel))
 
-    def _read_local(self, rel: str) -> bytes:
-        with open(self._open_local(rel), "rb", buffering=0) as f:
+    def _read_local(self, rel: str, size: int | None) -> bytes:
+        with open(self._open_local(rel, size), "rb", buffering=0) as f:
             return f.readall()
 
     def read_control(self, rel: str, *, max_bytes: int) -> bytes:
@@ -606,11 +650,11 @@ class Storage:
             parsed[identity] = parse(data)
         return parsed[identity]
 
-    def iter_chunks(self, rel: str, chunk_size: int = 8 << 20) -> Iterator[bytes]:
+    def iter_chunks(self, rel: str, chunk_size: int = 8 << 20, *, size: int | None = None) -> Iterator[bytes]:
         """Stream an object in chunks (for checksums of large shards without holding them in memory); on local
-        disk only a regular file (see :meth:`read_bytes`)."""
+        disk only a regular file, and with ``size`` one of that size and not sparse (see :meth:`read_bytes`)."""
         if self.is_local:
-            f = self._call("open", rel, lambda: open(self._open_local(rel), "rb", buffering=0))
+            f = self._call("open", rel, lambda: open(self._open_local(rel, size), "rb", buffering=0))
         else:
             f = self._call("open", rel, self.fs.open, self.path(rel), "rb", **self.read_options)
         with f:
@@ -648,27 +692,6 @@ class Storage:
         """Whether ``rel`` exists (file or directory)."""
         self.fs.invalidate_cache(self.path(rel))
         return self._call("check", rel, self.fs.exists, self.path(rel))
-
-    def refuse_sparse(self, rel: str, size: int) -> None:
-        """CheckpointCorruptError if ``rel``, a file of a step listed at ``size`` bytes, is on local disk a sparse
-        file of at least 64 MiB with under 1/64 of its size stored: holes that read as zeros, which cost whoever
-        forged the file nothing and whoever reads it whole (or hashes it) gigabytes or minutes. No file that
-        ft-checkpoint writes is sparse; a filesystem that compresses stores JSON, pickles and tensors in far
-        more than 1/64 of their size. Object stores hold every byte they list: nothing to check there.
-
-        Example:
-            >>> Storage("memory://doc/sparse").refuse_sparse("step_000000000001/metadata.json", 1 << 40)
-        """
-        if not self.is_local or size < SPARSE_MIN_BYTES:
-            return
-        try:
-            stored = os.lstat(self.path(rel)).st_blocks * 512
-        except (OSError, AttributeError):  # gone, or no st_blocks on this OS: the read that follows says so
-            return
-        if stored * SPARSE_RATIO < size:
-            raise CheckpointCorruptError(
-                f"{self.url_of(rel)}: listed at {size} bytes, of which {stored} are stored on disk (a sparse file, "
-                "which ft-checkpoint never writes: forged); refusing to read it")
 
     def delete_file(self, rel: str) -> None:
         """Delete one file (or object), literally: its name is never expanded as a glob pattern, a symbolic

@@ -204,8 +204,11 @@ def check_step(storage: Storage, step: int, *, on_bytes: OnBytes | None = None,
     """
     check = layout.check_step(storage, step, checksums=True, on_bytes=on_bytes, signer=signer)
     if check.ok and check.manifest is not None and check.manifest.format_version >= 2:
+        entry = check.manifest.files.get(layout.METADATA)
         try:
-            tensor_metadata.parse(storage.read_bytes(f"{layout.step_dir(step)}/{layout.METADATA}"),
+            if entry is None:
+                raise CheckpointCorruptError(f"the manifest lists no {layout.METADATA}")
+            tensor_metadata.parse(storage.read_bytes(f"{layout.step_dir(step)}/{layout.METADATA}", size=entry.size),
                                   tensor_metadata.data_files(check.manifest.files))
         except CheckpointCorruptError as e:
             check.problems.append(str(e))

@@ -28,7 +28,7 @@ from ft_checkpoint import CheckpointManager
 from ft_checkpoint.errors import StateMismatchError
 from ft_checkpoint.format import layout, tensor_metadata
 from ft_checkpoint.format.legacy import load_metadata
-from ft_checkpoint.store import checksum
+from ft_checkpoint.store import checksum, nofollow
 from ft_checkpoint.store.storage import Storage
 from tests.core.test_untrusted import forge_metadata, replace_with_checksum, resumes_step_1, two_steps
 from tests.helpers.legacy import replace_legacy_file, write_legacy_step
@@ -209,6 +209,36 @@ def test_a_sparse_small_file_of_a_gigabyte_is_refused_unread(tmp_path, caplog, n
     assert answer == 1 and peak < 100e6, f"peak {peak / 1e6:.1f} MB"
     assert "a sparse file" in next(r.getMessage() for r in caplog.records if "skipping step 2" in r.getMessage())
     goes_on_past_step_2(url)
+
+
+def test_a_file_swapped_for_a_sparse_one_after_its_listing_is_refused_at_the_read(tmp_path, caplog, monkeypatch):
+    """The rank file is 1 GiB with 17 MiB stored when the step is listed and checked (over 1/64: it passes), and
+    is swapped for a 1 GiB file of holes just before the read opens it: the check made on an ``lstat`` of the
+    path, before the read opened the file again, let the read take the holes (1 GiB of memory). The check is
+    made on the descriptor that is read."""
+    url = str(tmp_path / "ckpt")
+    two_steps(url)
+    name = layout.rank_file(0)
+    path = os.path.join(url, layout.step_dir(2), name)
+    holes = str(tmp_path / "holes")
+    make_sparse_with_checksum(url, 2, name, 1 << 30)
+    os.rename(path, holes)
+    with open(path, "wb") as f:  # the decoy: listed at the same size, 17 MiB of it stored
+        f.write(os.urandom(17 << 20))
+        f.truncate(1 << 30)
+    real_open = nofollow.open_regular_file
+
+    def swapped_at_the_open(root: str, rel: str, *, url: str) -> int:
+        if rel.endswith(name) and os.path.exists(holes):
+            os.replace(holes, path)
+        return real_open(root, rel, url=url)
+
+    monkeypatch.setattr(nofollow, "open_regular_file", swapped_at_the_open)
+    caplog.set_level(logging.WARNING, logger="ft_checkpoint")
+    answer, _, peak = guarded_resume(url)
+    assert not os.path.exists(holes), "the swap never happened"
+    assert answer == 1 and peak < 100e6, f"peak {peak / 1e6:.1f} MB"
+    assert "a sparse file" in next(r.getMessage() for r in caplog.records if "skipping step 2" in r.getMessage())
 
 
 def test_format1_a_sparse_shard_is_refused_unhashed(tmp_path, caplog):
