@@ -379,12 +379,7 @@ def test_a_link_planted_between_the_clear_and_the_writes_of_a_save_is_never_writ
         return cleared
 
     monkeypatch.setattr(layout, "delete_step", clear_then_plant)
-    with CheckpointManager(ours, interval=1) as ckpt:
-        ckpt.save(1, make(), block=True)
-        with pytest.raises(SaveError, match=r"step 2 not committed: .*step_000000000002.*nothing is written"):
-            ckpt.save(2, make(), block=True)
-    assert_intact(victim, files)
-    assert layout.committed_steps(Storage(ours)) == [1]
+    step_2_is_refused(ours, r"step_000000000002.*nothing is written", victim, files)
 
 
 @pytest.mark.parametrize("swap", ["link to another run's step", "another directory"])
@@ -406,6 +401,12 @@ def test_a_step_directory_swapped_after_the_clear_is_never_written_through_nor_c
 
     monkeypatch.setattr(CheckpointEngine, "_clear", clear_then_swap)
     reason = "symbolic link" if swap.startswith("link") else "no longer the directory this save created"
+    step_2_is_refused(ours, reason, victim, files)
+
+
+def step_2_is_refused(ours: str, reason: str, victim: str, files: dict[str, bytes]) -> None:
+    """Step 1 saves; the save of step 2 raises SaveError matching ``reason``; the victim's files are intact and
+    only step 1 is committed."""
     with CheckpointManager(ours, interval=1) as ckpt:
         ckpt.save(1, make(), block=True)
         with pytest.raises(SaveError, match=rf"step 2 not committed: .*{reason}"):
