@@ -36,7 +36,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -409,25 +409,25 @@ class FastTier:
         held = self.folder.held_ranks() if self.local_index == 0 else []
         if held:
             log.warning("deleting the fast tier's parts of ranks %s in %s: %s", held, self.folder.root, why)
-        try:
-            for rank in held:
-                self.folder.remove(rank)
-        except (OSError, StorageError) as e:
-            log.warning("could not delete the fast tier's parts in %s: %s", self.folder.root, e)
+        self._remove_parts(held, when="")
         self.groups.barrier()
         return why
 
     def close(self, *, clean: bool) -> None:
         """At a clean end, delete this run's fast-tier folder (each rank what it wrote; then the rest, once per node)."""
-        if not clean:
-            return
+        if clean:
+            self._remove_parts(self.held, when=" at the clean end", whole_folder=self.local_index == 0)
+
+    def _remove_parts(self, ranks: Iterable[int], *, when: str, whole_folder: bool = False) -> None:
+        """Delete the parts of ``ranks`` in this node's folder, then with ``whole_folder`` the folder itself; a
+        warning (naming ``when``) if the storage refuses: deleting is never worth stopping the training for."""
         try:
-            for rank in self.held:
+            for rank in ranks:
                 self.folder.remove(rank)
-            if self.local_index == 0:
+            if whole_folder:
                 self.folder.remove_all()
         except (OSError, StorageError) as e:
-            log.warning("could not delete the fast tier's folder %s at the clean end: %s", self.folder.root, e)
+            log.warning("could not delete the fast tier's parts in %s%s: %s", self.folder.root, when, e)
 
 
 def _part_bytes(tensors: Mapping[str, Any], files: Mapping[str, Any], *, rank_file: int = 0) -> int:
