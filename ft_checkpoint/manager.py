@@ -37,7 +37,7 @@ from ft_checkpoint.policies.cost import CostMeter
 from ft_checkpoint.policies.interval import describe_policy, policy_from_interval, policy_metrics
 from ft_checkpoint.policies.policy import OnPreemption, SaveContext, SavePolicy, find_policy
 from ft_checkpoint.run.dist import Groups, peer_lost, short_error
-from ft_checkpoint.run.journal import Journal, attempt_summaries
+from ft_checkpoint.run.journal import Journal, attempt_summaries, started_before
 from ft_checkpoint.run.lease import Lease
 from ft_checkpoint.run.preemption import PreemptionWatcher
 from ft_checkpoint.run.slurm import SlurmJob, requeue
@@ -179,7 +179,7 @@ class CheckpointManager:
     def _durable_has_history(self) -> bool:
         """Whether the journal records a start before this one (rank 0). Without one, and without a step, the
         durable directory is new or was emptied: what the fast tier holds for it is a deleted run's."""
-        return any(name != self.journal.attempt for name in self.storage.listdir(layout.JOURNAL_DIR))
+        return started_before(self.storage, besides=self.journal.attempt)
 
     def _acquire_and_list(self, force: bool) -> layout.Listing:
         """Rank 0's start-up I/O: take the lease while another thread lists the steps and reads their manifests down to

@@ -13,7 +13,7 @@ Lightning offers no public way to do five things a fault-tolerant callback needs
    (``_DatasetSamplerWrapper._sampler``);
 5. accept ``Trainer(enable_checkpointing=False)`` with this callback as the only ``Checkpoint``
    (``_CallbackConnector._configure_checkpoint_callbacks`` refuses any ``Checkpoint`` then);
-6. let a LightningCLI job that resumes start again: its ``SaveConfigCallback`` refuses an existing
+6. let a LightningCLI job that restarts start again: its ``SaveConfigCallback`` refuses an existing
    ``config.yaml`` in its ``setup``, which runs before this callback's (Lightning moves every ``Checkpoint``
    to the end of the list); its public ``overwrite`` is set for that call (``SaveConfigCallback.setup``).
 
@@ -127,10 +127,10 @@ def allow_without_lightning_checkpointing(callback_type: type) -> None:
     _CallbackConnector._configure_checkpoint_callbacks = configure_checkpoint_callbacks
 
 
-def let_lightning_cli_restart(resumes: Callable[[pl.Trainer], bool]) -> None:
+def let_lightning_cli_restart(restarts: Callable[[pl.Trainer], bool]) -> None:
     """Have LightningCLI's ``SaveConfigCallback`` write its config file again, rather than refuse an existing
-    one, in a fit where ``resumes(trainer)`` (asked on rank 0, the answer broadcast: the callback's check is a
-    collective) says the job continues from a checkpoint. Patches Lightning's class once per process, only
+    one, in a fit where ``restarts(trainer)`` (asked on rank 0, the answer broadcast: the callback's check is a
+    collective) says the job ran in the checkpoint directory before. Patches Lightning's class once per process, only
     when ``lightning.pytorch.cli`` was imported (LightningCLI imports it before it builds the callbacks).
     """
     cli = sys.modules.get("lightning.pytorch.cli")
@@ -141,12 +141,12 @@ def let_lightning_cli_restart(resumes: Callable[[pl.Trainer], bool]) -> None:
     @functools.wraps(original)
     def setup(self: Any, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if not self.overwrite and self.save_to_log_dir and not self.already_saved:
-            resuming = trainer.strategy.broadcast(resumes(trainer) if trainer.is_global_zero else False)
-            if resuming:
+            restarting = trainer.strategy.broadcast(restarts(trainer) if trainer.is_global_zero else False)
+            if restarting:
                 self.overwrite = True
                 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-                rank_zero_info(f"FaultTolerantCheckpoint: this LightningCLI job resumes: SaveConfigCallback writes "
+                rank_zero_info(f"FaultTolerantCheckpoint: this LightningCLI job restarts: SaveConfigCallback writes "
                                f"{self.config_filename} in {trainer.log_dir} again (it refuses an existing one)")
         original(self, trainer, pl_module, stage)
 

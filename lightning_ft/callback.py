@@ -36,6 +36,8 @@ from ft_checkpoint import CheckpointConfig, CheckpointManager, ConfigError, FTCh
 from ft_checkpoint.config import DEFAULT_SUBDIR, check_names, given
 from ft_checkpoint.errors import Preempted
 from ft_checkpoint.format import layout
+from ft_checkpoint.format.signing import Signer
+from ft_checkpoint.run.journal import started_before
 from ft_checkpoint.save.snapshot import settle_all as settle_snapshots
 from ft_checkpoint.state import set_rng_state
 from ft_checkpoint.store.storage import Storage
@@ -98,10 +100,11 @@ class _Lazy(Mapping[str, Any]):
         return len(self._get())
 
 
-def _resumes(trainer: pl.Trainer) -> bool:
-    """Whether a FaultTolerantCheckpoint of ``trainer`` has a committed step to resume from."""
+def _restarts(trainer: pl.Trainer) -> bool:
+    """Whether ``trainer``'s fit is a restart of a job that ran in the directory of one of its
+    FaultTolerantCheckpoints (see :meth:`FaultTolerantCheckpoint._ran_before`)."""
     callbacks = trainer.callbacks  # type: ignore[attr-defined]
-    return any(cb._has_checkpoint(trainer) for cb in callbacks if isinstance(cb, FaultTolerantCheckpoint))
+    return any(cb._ran_before(trainer) for cb in callbacks if isinstance(cb, FaultTolerantCheckpoint))
 
 
 class FaultTolerantCheckpoint(Checkpoint):
@@ -182,7 +185,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         config = {k: v for k, v in given(locals()).items() if k != "dirpath"}
         CheckpointConfig.from_env(dirpath=dirpath, **config)  # a bad value fails here, not at fit time
         internals.allow_without_lightning_checkpointing(FaultTolerantCheckpoint)
-        internals.let_lightning_cli_restart(_resumes)
+        internals.let_lightning_cli_restart(_restarts)
         self.dirpath = dirpath
         self.save_on_exception = save_on_exception
         self.drain_timeout = drain_timeout
@@ -335,11 +338,16 @@ class FaultTolerantCheckpoint(Checkpoint):
         run_within(self.drain_timeout, lambda: self._drain_after(trainer, exception, save))
 
     # -- resuming ------------------------------------------------------------------------------
-    def _has_checkpoint(self, trainer: pl.Trainer) -> bool:
-        """Whether this callback's directory holds a committed step (a fit would resume from it)."""
+    def _ran_before(self, trainer: pl.Trainer) -> bool:
+        """Whether a job ran in this callback's directory before this fit: its journal records a start, or it holds
+        a committed step (verified, with a signing key). Asked before this callback's ``setup`` (Lightning sets up
+        checkpoint callbacks last). A job killed before its first durable save has no step there but does restart
+        (from its fast tier, or from scratch)."""
         dirpath, _ = self._resolve_dirpath(trainer)
         config = CheckpointConfig.from_env(**self.config)
-        return bool(layout.committed_steps(Storage(dirpath, config.storage_options, retries=config.retries)))
+        storage = Storage(dirpath, config.storage_options, retries=config.retries)
+        return started_before(storage) or bool(layout.committed_steps(storage,
+                                                                      signer=Signer.from_config(config, storage.url)))
 
     def _resolve_dirpath(self, trainer: pl.Trainer) -> tuple[str, bool]:
         """The checkpoint directory, and whether it is the default one under ``default_root_dir``."""

@@ -240,6 +240,20 @@ def attempt_start_time(attempt: str) -> float:
     return calendar.timegm(time.strptime(m.group(1), "%Y%m%dT%H%M%S")) + int(m.group(2)) / 1e6
 
 
+def started_before(storage: Storage, *, besides: str | None = None) -> bool:
+    """Whether the journal in ``storage`` records a start of a job in this directory (other than the attempt
+    ``besides``): an attempt directory named like one. One listing; nothing is read.
+
+    Example:
+        >>> from ft_checkpoint.store.storage import Storage
+        >>> s = Storage("memory://doc/started")
+        >>> Journal(s, attempt="20261129T000000.000000Z-abc123").record("attempt_start")
+        >>> started_before(s), started_before(s, besides="20261129T000000.000000Z-abc123")
+        (True, False)
+    """
+    return any(_ATTEMPT_RE.match(name) and name != besides for name in storage.listdir(JOURNAL_DIR))
+
+
 def parse_event(data: bytes, *, attempt: str, now: float | None = None) -> dict[str, Any]:
     """One journal event of ``attempt``, strictly typed; ValueError naming what is wrong with it.
 

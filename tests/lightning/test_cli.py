@@ -23,12 +23,13 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cli_script.py
 TIMEOUT = 300
 
 
-def config(tmp_path, *extra: dict) -> str:
+def config(tmp_path, *extra: dict, **settings) -> str:
     """A LightningCLI config: the quiet CPU trainer of ``lightning_ft.testing``, ``logger: false`` (so the log
     dir, where SaveConfigCallback writes config.yaml, is the same on every start), FaultTolerantCheckpoint
-    configured by ``init_args``, and ``extra`` callbacks."""
+    configured by ``init_args`` (with ``settings`` over them), and ``extra`` callbacks."""
     callbacks = [{"class_path": "lightning_ft.FaultTolerantCheckpoint",
-                  "init_args": {"dirpath": str(tmp_path / "ckpt"), "interval": 4, "keep_last": 3}}, *extra]
+                  "init_args": {"dirpath": str(tmp_path / "ckpt"), "interval": 4, "keep_last": 3, **settings}},
+                 *extra]
     trainer = {"accelerator": "cpu", "devices": 1, "max_epochs": 3, "logger": False, "enable_progress_bar": False,
                "enable_model_summary": False, "num_sanity_val_steps": 0, "deterministic": True,
                "val_check_interval": 0.5, "default_root_dir": str(tmp_path / "root"), "callbacks": callbacks}
@@ -58,8 +59,8 @@ def test_print_config_lists_every_setting(tmp_path, capsys):
     assert set(FIELDS) <= set(ours["init_args"]), sorted(set(FIELDS) - set(ours["init_args"]))
 
 
-def run(tmp_path, *callbacks: dict, killed: bool = False) -> str:
-    proc = subprocess.run([sys.executable, SCRIPT, "fit", "--config", config(tmp_path, *callbacks)], text=True,
+def run(tmp_path, *callbacks: dict, killed: bool = False, **settings) -> str:
+    proc = subprocess.run([sys.executable, SCRIPT, "fit", "--config", config(tmp_path, *callbacks, **settings)], text=True,
                           capture_output=True, timeout=TIMEOUT, start_new_session=True,
                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == (-9 if killed else 0), proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -82,3 +83,24 @@ def test_a_job_configured_from_yaml_killed_and_restarted_resumes_bit_exact(tmp_p
         assert [json.loads(line)["resumed_from"] for line in f] == [None, 8]
     assert_same(torch.load(reference / "out" / "final.pt", weights_only=False),
                 torch.load(out / "final.pt", weights_only=False))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["fast tier only", "no step yet"])
+def test_a_job_killed_before_its_first_durable_save_restarts(tmp_path, case):
+    """Killed at step 5 with its first durable save due at step 7 (the end of the first epoch): with fast-tier saves
+    every 2 steps, or with no save yet. The restart's check of whether the job resumes (so SaveConfigCallback may
+    write its config.yaml again) looked for a committed step in the durable directory alone: it found none,
+    SaveConfigCallback refused the first start's config.yaml, and every restart stopped there. Now the restart
+    resumes the fast tier's step 4, or starts afresh."""
+    out = tmp_path / "out"
+    record = {"class_path": "cli_script.Record", "init_args": {"out": str(out)}}
+    settings: dict = {"interval": 100}
+    if case == "fast tier only":
+        (tmp_path / "fast").mkdir(mode=0o700)
+        settings.update(fast_dirpath=str(tmp_path / "fast"), fast_interval=2)
+    run(tmp_path, record, {"class_path": "cli_script.KillAt", "init_args": {"step": 5}}, killed=True, **settings)
+    second = run(tmp_path, record, **settings)
+    assert "SaveConfigCallback writes config.yaml in" in second and "again" in second, second[-3000:]
+    with open(out / "runs.jsonl") as f:
+        assert [json.loads(line)["resumed_from"] for line in f] == [None, 4 if case == "fast tier only" else None]
