@@ -96,6 +96,7 @@ def create_fast_tier(config: CheckpointConfig, durable_url: str, groups: Groups,
     folder = FastFolder(config.fast_dirpath, run_key(durable_url, job_id()))
     problems = sorted({p for p in groups.all_gather(folder.claim()) if p})
     if problems:  # another user may have prepared it: nothing in it is read, written or deleted
+        folder.release()
         if groups.rank == 0:
             log.warning("the fast tier is not used (this run saves to its durable tier only): %s", "; ".join(problems))
         return None
@@ -414,9 +415,11 @@ class FastTier:
         return why
 
     def close(self, *, clean: bool) -> None:
-        """At a clean end, delete this run's fast-tier folder (each rank what it wrote; then the rest, once per node)."""
+        """At a clean end, delete this run's fast-tier folder (each rank what it wrote; then the rest, once per node).
+        Either way, this process no longer holds the folder (see ``FastFolder.claim``)."""
         if clean:
             self._remove_parts(self.held, when=" at the clean end", whole_folder=self.local_index == 0)
+        self.folder.release()
 
     def _remove_parts(self, ranks: Iterable[int], *, when: str, whole_folder: bool = False) -> None:
         """Delete the parts of ``ranks`` in this node's folder, then with ``whole_folder`` the folder itself; a

@@ -15,7 +15,10 @@
 Each rank's folder holds what a single-process checkpoint of that rank's local state holds, so the durable
 tier's code writes, checks, loads and deletes it, and ``ft-checkpoint inspect`` shows it. A node's own ranks
 and the peer copies it keeps look the same. Retention keeps the committed step and the one being written.
-Another run's folder is never read; it is removed once its owner is gone (same host, none of its pids alive).
+Another run's folder is never read; it is removed once its owner is gone: same host, none of its pids alive, and
+no process holds the shared lock on its ``in_use.lock`` that each of the run's processes on the node takes at its
+start (:meth:`FastFolder.claim`) and the kernel drops at its end, however it ends. Pids alone are not enough: a job
+in another PID namespace (a container sharing ``/dev/shm`` and the host name) has pids that name no process here.
 
 ``fast_dirpath`` is often shared by the users of a node (``/dev/shm``), and a run's key can be computed by any
 of them. A run's folder is used only if it is this user's own (:meth:`FastFolder.claim`): else a link in it, or
@@ -35,6 +38,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -44,6 +49,7 @@ import re
 import socket
 import stat
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from ft_checkpoint.format import layout
@@ -54,6 +60,10 @@ from ft_checkpoint.store.storage import Storage
 log = logging.getLogger(__name__)
 OWNER = "owner.json"
 COMMITTED = "committed.json"
+IN_USE = "in_use.lock"
+_LOCK_OPEN = os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+"""How a process opens ``in_use.lock`` to hold it: read-only (a lock needs no more; a file open to write would keep
+its filesystem from being remounted read-only)."""
 _RUN_RE = re.compile(r"run-[0-9a-f]{16}", re.ASCII)
 _RANK_RE = re.compile(r"rank_([0-9]{5})", re.ASCII)
 
@@ -91,6 +101,8 @@ class FastFolder:
         self.fast_dirpath = os.path.abspath(fast_dirpath)
         self.root = os.path.join(self.fast_dirpath, key)
         self._storages: dict[int, Storage] = {}
+        self._in_use: int | None = None
+        """The descriptor of ``in_use.lock`` this process holds a shared lock on, from ``claim`` to ``release``."""
 
     def claim(self) -> str | None:
         """Create this folder, for this user only (mode 700), or check the one there; None if it may be used, else
@@ -104,18 +116,72 @@ class FastFolder:
             >>> folder.claim(), oct(os.stat(folder.root).st_mode & 0o777)
             (None, '0o700')
         """
+        for _ in range(3):  # again if another run removed the folder, found unused, while this start waited
+            try:
+                os.makedirs(self.fast_dirpath, 0o700, exist_ok=True)
+                if (problem := _unsafe_holder(self.fast_dirpath)) is not None:
+                    return problem
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(self.root, 0o700)
+            except OSError as e:
+                return f"{self.root} cannot be created ({type(e).__name__}: {e}). HINT: {_OWN_FOLDER}"
+            if (problem := self.problem()) is not None:
+                return (f"{problem}, so another user could make this job write into, then delete, a directory of "
+                        f"yours through a link there. HINT: remove it (its owner or root can), or {_OWN_FOLDER}")
+            try:
+                if self._hold():
+                    return None
+            except OSError as e:  # a FIFO or a link in its place: problem() looks at rank folders only
+                return f"{self.root}/{IN_USE} cannot be locked ({type(e).__name__}: {e}). HINT: remove it"
+        return f"{self.root} was removed three times while this job started (another run of yours cleaning it?)"
+
+    def _hold(self) -> bool:
+        """Take a shared lock on ``in_use.lock`` for as long as this process lives (or until :meth:`release`): while
+        any process holds one, no other run removes this folder. False: the folder was removed meanwhile."""
+        if self._in_use is not None:
+            return True
+        path = os.path.join(self.root, IN_USE)
+        fd = os.open(path, _LOCK_OPEN, 0o600)
         try:
-            os.makedirs(self.fast_dirpath, 0o700, exist_ok=True)
-            if (problem := _unsafe_holder(self.fast_dirpath)) is not None:
-                return problem
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(self.root, 0o700)
-        except OSError as e:
-            return f"{self.root} cannot be created ({type(e).__name__}: {e}). HINT: {_OWN_FOLDER}"
-        problem = self.problem()
-        return None if problem is None else (f"{problem}, so another user could make this job write into, then "
-                                             "delete, a directory of yours through a link there. HINT: remove it (its "
-                                             f"owner or root can), or {_OWN_FOLDER}")
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while another run checks whether this folder is in use
+            held = os.fstat(fd)
+            if not stat.S_ISREG(held.st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+            with contextlib.suppress(FileNotFoundError):
+                if os.path.samestat(held, os.lstat(path)):
+                    self._in_use, fd = fd, -1
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        return self._in_use is not None
+
+    def release(self) -> None:
+        """Drop this process's lock on the folder (see :meth:`claim`); the kernel does it too when the process ends."""
+        if self._in_use is not None:
+            os.close(self._in_use)
+            self._in_use = None
+
+    @contextlib.contextmanager
+    def unused(self) -> Iterator[bool]:
+        """Whether no process holds this folder (no lock on ``in_use.lock``; a folder without one: True); while the
+        ``with`` block runs, no process can take one (a start of its run waits for the block's end)."""
+        try:
+            fd = os.open(os.path.join(self.root, IN_USE), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            yield True
+            return
+        except OSError:  # a link in its place, say: the folder is left alone
+            yield False
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)
 
     def problem(self) -> str | None:
         """None if this folder is a real directory of this user that no one else can write, and each rank's folder
@@ -204,7 +270,9 @@ class FastFolder:
         for rank in self.held_ranks():
             self.remove(rank)
         try:
-            os.remove(os.path.join(self.root, OWNER))
+            for name in (OWNER, IN_USE):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(self.root, name))
             os.rmdir(self.root)
         except FileNotFoundError:
             pass
@@ -235,8 +303,10 @@ def clean_other_runs(fast_dirpath: str, key: str) -> list[str]:
         pids = owner.get("pids")
         if not isinstance(pids, list) or any(not jsonfile.is_int(p) or (0 < p < 2**31 and pid_alive(p)) for p in pids):
             continue
-        folder.remove_all()
-        removed.append(folder.root)
+        with folder.unused() as unused:
+            if unused:
+                folder.remove_all()
+                removed.append(folder.root)
     return removed
 
 

@@ -190,6 +190,41 @@ def test_another_runs_files_are_never_used_and_are_removed_once_its_processes_ar
     ckpt.close()
 
 
+HOLDER = """
+import sys, time
+from ft_checkpoint import CheckpointManager
+from tests.helpers.toy import make
+ckpt = CheckpointManager(sys.argv[1], interval=100, fast_dirpath=sys.argv[2], fast_interval=1)
+ckpt.save(1, make(), block=True)
+print("saved", flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_live_run_whose_pids_name_no_process_here_keeps_its_folder(tmp_path, monkeypatch):
+    """A job in another PID namespace (a container sharing /dev/shm and the host name) writes pids into its
+    owner.json that name no process here: another run's start took it for gone and deleted its fast tier under it.
+    Each of a run's processes holds a lock on its folder; the kernel drops it when the process ends."""
+    fast = str(tmp_path / "fast")
+    monkeypatch.setenv("FT_CHECKPOINT_RUN_ID", "live-job")
+    live = str(tmp_path / "live")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, live, fast], stdout=subprocess.PIPE, text=True,
+                              cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "saved"
+        folder = FastFolder(fast, run_key(os.path.abspath(live), job_id()))
+        gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+        folder.write_owner(os.path.abspath(live), [int(gone.stdout)])  # its pids, as seen from this namespace
+        monkeypatch.setenv("FT_CHECKPOINT_RUN_ID", "other-job")
+        run(str(tmp_path / "other"), fast, 1)
+        assert folder.committed(0) is not None and list(layout.list_steps(folder.storage(0))) == [1], "deleted"
+    finally:
+        holder.kill()
+        holder.wait()
+    run(str(tmp_path / "other"), fast, 1)  # its process is gone now: its folder is removed
+    assert not os.path.exists(folder.root)
+
+
 def tree(path: str) -> dict[str, bytes]:
     """Every file under ``path`` and its bytes."""
     return {os.path.relpath(os.path.join(here, name), path): open(os.path.join(here, name), "rb").read()
