@@ -21,7 +21,6 @@ Example:
 from __future__ import annotations
 
 import calendar
-import contextlib
 import itertools
 import json
 import logging
@@ -35,7 +34,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
-from ft_checkpoint.errors import StorageError
+from ft_checkpoint.errors import CheckpointCorruptError, StorageError
 from ft_checkpoint.format.layout import JOURNAL_DIR
 from ft_checkpoint.run.background import submit
 from ft_checkpoint.store import jsonfile
@@ -75,6 +74,8 @@ class Journal:
         self._written_step: int | None = None
         self._written_cost: float | None = None
         self._note_fd: int | None = None
+        self._rewrite = True
+        """Whether the note may be rewritten in place (False once the file written was found swapped)."""
         self._note_lock = threading.Lock()
         self.save_cost: float | None = None
         """What a save last cost the training (seconds), carried in the progress note for the next attempt."""
@@ -161,8 +162,14 @@ class Journal:
     def _note_in_place_locked(self, step: int) -> None:
         if self._note_fd is None:
             self._write_progress(step)
-            with contextlib.suppress(OSError):
-                self._note_fd = os.open(self.storage.path(f"{JOURNAL_DIR}/{self.attempt}/{PROGRESS}"), os.O_WRONLY)
+            try:  # swapped since for a FIFO, a link or a hard link: refused, and from now on written whole each time
+                if self._rewrite:
+                    self._note_fd = self.storage.open_to_rewrite(f"{JOURNAL_DIR}/{self.attempt}/{PROGRESS}")
+            except CheckpointCorruptError as e:
+                self._rewrite = False
+                log.warning("the journal's progress note is written whole from now on: %s", e)
+            except OSError:
+                pass
             return
         note, cost = self._note(step), self.save_cost
         try:

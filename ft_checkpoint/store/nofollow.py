@@ -115,10 +115,12 @@ def read_regular_file_unless(path: str, known: Container[FileId], *, max_bytes: 
         os.close(fd)
 
 
-def open_regular_file(root: str, rel: str, *, url: str) -> int:
+def open_regular_file(root: str, rel: str, *, url: str, rewrite: bool = False) -> int:
     """A descriptor of ``root/rel`` open for reading, if it is a regular file: neither ``rel``'s directories nor
     the file are opened through a link, nor does the open wait (CheckpointCorruptError naming ``url`` at once for
     a link, a FIFO, a device, a socket or a directory). The caller reads from it (blocking) and closes it.
+    ``rewrite``: open for writing in place instead (``pwrite``), and only a file with no other name (a hard link
+    to another file would have that file overwritten).
 
     Example:
         >>> import tempfile
@@ -131,20 +133,24 @@ def open_regular_file(root: str, rel: str, *, url: str) -> int:
     """
     parent, name = posixpath.split(rel)
     with open_directory(root, parent, url=url) as directory:
-        return _open_regular(name, url, directory)
+        return _open_regular(name, url, directory, rewrite=rewrite)
 
 
-def _open_regular(path: str, url: str, directory: int | None = None) -> int:
+def _open_regular(path: str, url: str, directory: int | None = None, *, rewrite: bool = False) -> int:
     try:
-        fd = os.open(path, os.O_RDONLY | _FILE, dir_fd=directory)
+        fd = os.open(path, (os.O_WRONLY if rewrite else os.O_RDONLY) | _FILE, dir_fd=directory)
     except OSError as e:
-        if e.errno not in (errno.ELOOP, errno.ENXIO):  # a symbolic link; a socket
+        if e.errno not in (errno.ELOOP, errno.ENXIO):  # a symbolic link; a socket (or, to write, a FIFO)
             raise
-        raise _not_regular(url, "a symbolic link" if e.errno == errno.ELOOP else "a socket") from None
+        kind = "a symbolic link" if e.errno == errno.ELOOP else "a FIFO or a socket" if rewrite else "a socket"
+        raise _not_regular(url, kind, "write it" if rewrite else "read it") from None
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise _not_regular(url, next((name for test, name in _KINDS if test(mode)), "a special file"))
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _not_regular(url, next((name for test, name in _KINDS if test(info.st_mode)), "a special file"))
+        if rewrite and info.st_nlink != 1:
+            raise CheckpointCorruptError(f"{url} has {info.st_nlink} names (hard links): refusing to write it in "
+                                         "place (another file would change with it). HINT: remove it")
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)

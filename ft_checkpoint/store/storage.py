@@ -563,6 +563,20 @@ class Storage:
             with self.fs.open(self.path(rel), "rb", cache_type="none") as f:
                 yield f
 
+    def open_to_rewrite(self, rel: str) -> int:
+        """Local disk: a descriptor of the file ``rel`` open to be written in place (``pwrite``), the caller's to
+        close; CheckpointCorruptError, at once, unless it is a regular file with no other name, reached without a
+        link (see ``nofollow.open_regular_file``).
+
+        Example:
+            >>> import tempfile
+            >>> s = Storage(tempfile.mkdtemp()); s.write_bytes("note.json", b"{}   ")
+            >>> fd = s.open_to_rewrite("note.json"); os.pwrite(fd, b"[]", 0); os.close(fd); s.read_bytes("note.json")
+            2
+            b'[]   '
+        """
+        return nofollow.open_regular_file(self.root, rel, url=self.url_of(rel), rewrite=True)
+
     def _open_local(self, rel: str, size: int | None = None) -> int:
         fd = nofollow.open_regular_file(self.root, rel, url=self.url_of(rel))
         if size is not None:

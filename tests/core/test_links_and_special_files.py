@@ -21,7 +21,7 @@ from ft_checkpoint import CheckpointManager
 from ft_checkpoint.errors import LeaseError, SaveError
 from ft_checkpoint.format import layout
 from ft_checkpoint.run import retention
-from ft_checkpoint.run.journal import read_journal
+from ft_checkpoint.run.journal import PROGRESS, Journal, read_journal
 from ft_checkpoint.save.engine import CheckpointEngine
 from ft_checkpoint.store.storage import Storage
 from ft_checkpoint.tools import catalog
@@ -491,3 +491,38 @@ def test_verify_reports_a_file_swapped_for_a_special_file_after_the_listing(tmp_
     check = within_guard(catalog.check_step, storage, 2)
     assert not check.ok
     assert any("__0_0.distcp is a" in p and "not a regular file" in p for p in check.problems), check.problems
+
+
+@pytest.mark.parametrize("swap", ["fifo", "symbolic link", "hard link"])
+def test_a_progress_note_swapped_after_its_first_write_is_never_written_through_nor_blocks(tmp_path, monkeypatch,
+                                                                                          caplog, swap):
+    """The journal writes its progress note whole once, then opened it again by its path to rewrite it in place at
+    every step: swapped for a FIFO in between, that open blocked the training forever; for a symbolic or a hard
+    link to another run's file, each step's note overwrote that file's first bytes."""
+    victim, files = victim_run(tmp_path)
+    target = os.path.join(victim, layout.METADATA)
+    url = str(tmp_path / "ours")
+    write_whole = Journal._write_progress
+
+    def write_then_swap(self, step):
+        write_whole(self, step)
+        path = Storage(url).path(f"{layout.JOURNAL_DIR}/{self.attempt}/{PROGRESS}")
+        if not getattr(self, "swapped", False):
+            self.swapped = True
+            os.unlink(path)
+            {"fifo": os.mkfifo, "symbolic link": lambda p: os.symlink(target, p),
+             "hard link": lambda p: os.link(target, p)}[swap](path)
+
+    monkeypatch.setattr(Journal, "_write_progress", write_then_swap)
+
+    def train():
+        with CheckpointManager(url, interval=2) as ckpt:
+            state = make()
+            for step in range(1, 6):
+                ckpt.maybe_save(step, state)
+            ckpt.wait()
+            return ckpt.latest()
+
+    assert within_guard(train) == 4
+    assert_intact(victim, files)
+    assert "progress note is written whole from now on" in caplog.text
