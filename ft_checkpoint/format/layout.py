@@ -291,6 +291,20 @@ def list_steps(storage: Storage) -> dict[int, bool]:
     return steps
 
 
+_WARNED: set[str] = set()
+"""The warnings :func:`_warn_once` gave in this process."""
+
+
+def _warn_once(message: str) -> None:
+    """A warning the first time this process meets ``message``, a debug line after: a step that does not count is
+    met again by every listing (each save's retention lists the directory)."""
+    if message in _WARNED:
+        log.debug("%s", message)
+    else:
+        _WARNED.add(message)
+        log.warning("%s", message)
+
+
 class SignatureCheck(Protocol):
     """What checks a manifest's signature for this run (a :class:`~ft_checkpoint.format.signing.Signer`)."""
 
@@ -353,12 +367,9 @@ class ManifestReader:
         try:
             check_manifest(self.read(step), step, signer=signer)
             return COMMITTED
-        except SignatureError as e:
-            log.warning("step %d in %s does not count as committed: %s", step, self.storage.url, e)
-            return REFUSED
-        except CheckpointCorruptError as e:
-            log.warning("step %d in %s does not count as committed: %s", step, self.storage.url, e)
-            return NOT_COMMITTED
+        except CheckpointCorruptError as e:  # SignatureError among them
+            _warn_once(f"step {step} in {self.storage.url} does not count as committed: {e}")
+            return REFUSED if isinstance(e, SignatureError) else NOT_COMMITTED
 
     def _read(self, step: int) -> Manifest | str:
         rel = f"{step_dir(step)}/{MANIFEST}"

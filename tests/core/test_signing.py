@@ -229,20 +229,23 @@ def plant_unsigned_steps(url: str, steps: list[int]) -> None:
 
 
 def test_forged_steps_never_make_the_jobs_retention_delete_its_signed_steps(tmp_path, caplog):
-    """They took the places of keep_last: after the next commit only the step just saved and the forged ones were left."""
+    """They took the places of keep_last: after the next commit only the step just saved and the forged ones were left.
+    Each forged step is warned about once, not at every save's retention."""
     url, state = str(tmp_path / "run"), make(0)
+    caplog.set_level(logging.WARNING, logger="ft_checkpoint")
     with CheckpointManager(url, interval=1, keep_last=3, signing_key=KEY) as ckpt:
-        for step in (1, 2, 3, 4, 5):
+        for step in (1, 2, 3, 4, 5, 6, 7):
             if step == 5:
                 plant_unsigned_steps(url, FORGED)  # mid-run
             train_step(state)
             ckpt.save(step, state, block=True)
             ckpt.wait(retention=True)
-        assert sorted(layout.list_steps(Storage(url))) == [3, 4, 5, *FORGED], "forged steps neither kept nor deleted"
+        assert sorted(layout.list_steps(Storage(url))) == [5, 6, 7, *FORGED], "forged steps neither kept nor deleted"
         saved = copy.deepcopy(state)
-    assert f"step {FORGED[0]} in {url} does not count as committed: manifest.json is not signed" in caplog.text
+    warning = f"step {FORGED[0]} in {url} does not count as committed: manifest.json is not signed"
+    assert sum(r.getMessage().startswith(warning) for r in caplog.records) == 1
     step, resumed = resume(url, signing_key=KEY)
-    assert step == 5
+    assert step == 7
     assert_same(resumed, saved)
 
 
