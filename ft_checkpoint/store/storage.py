@@ -552,12 +552,13 @@ class Storage:
         return self._call("write", rel, once)
 
     @contextlib.contextmanager
-    def open_read(self, rel: str) -> Iterator[Any]:
+    def open_read(self, rel: str, *, size: int | None = None) -> Iterator[Any]:
         """A seekable file to read ``rel`` from, with ``readinto``: unbuffered (on an object store each read
         is one ranged get, with no read-ahead: read large ranges, see ``shards.ShardReader``). On local disk
-        only a regular file, never through a link, and never waiting (:meth:`read_bytes`)."""
+        only a regular file, never through a link, and never waiting, and with ``size`` one of that size and
+        not sparse (:meth:`read_bytes`)."""
         if self.is_local:
-            with open(self._open_local(rel), "rb", buffering=0) as f:
+            with open(self._open_local(rel, size), "rb", buffering=0) as f:
                 yield f
         else:
             with self.fs.open(self.path(rel), "rb", cache_type="none") as f:

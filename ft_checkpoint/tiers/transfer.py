@@ -24,8 +24,8 @@ Example (a rank sending to itself, in one process):
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
 from typing import Any
 
 import torch
@@ -58,6 +58,7 @@ class Outgoing:
         self.total = sum(size for _, size in self.files)
         self._index, self._left = -1, 0
         self._f: Any = None
+        self._open = contextlib.ExitStack()
 
     def fill(self, view: memoryview) -> None:
         """The next ``len(view)`` bytes of the stream (zeros where a file cannot be read: the receiver's check fails)."""
@@ -77,9 +78,9 @@ class Outgoing:
         self.close()
         self._index += 1
         name, self._left = self.files[self._index]  # an IndexError here would be a bug: the sizes say how much to read
-        try:
-            self._f = open(self.storage.path(f"{self.rel}/{name}"), "rb", buffering=0)  # noqa: SIM115 - closed by close()
-        except OSError as e:
+        try:  # as the durable tier reads a step: no link followed, no FIFO waited on, the size the manifest lists
+            self._f = self._open.enter_context(self.storage.open_read(f"{self.rel}/{name}", size=self._left))
+        except (OSError, StorageError, CheckpointCorruptError) as e:
             self._fail(f"{name}: {type(e).__name__}: {e}")
 
     def _fail(self, problem: str) -> None:
@@ -88,8 +89,7 @@ class Outgoing:
         self._f = _Zeros()
 
     def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
+        self._open.close()
         self._f = None
 
 
@@ -124,6 +124,7 @@ class Incoming:
         layout.delete_step(storage, step, before_write=True)  # what an earlier copy left (a link: itself, not its target)
         self._index, self._left, self._crc = -1, 0, 0
         self._f: Any = None
+        self._open = contextlib.ExitStack()
 
     def drain(self, view: memoryview) -> None:
         """Take the next ``len(view)`` bytes of the stream."""
@@ -146,17 +147,15 @@ class Incoming:
             raise CheckpointCorruptError(f"step {self.step}: the sender sent more bytes than its manifest lists")
         name, entry = self.files[self._index]
         self._left, self._crc = entry.size, 0
-        path = self.storage.path(f"{self.rel}/{name}")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        self._f = open(path, "wb", buffering=0)  # noqa: SIM115 - closed by _end_file
+        # as the durable tier writes a step: a new file, no link followed on its way or in its place
+        self._f = self._open.enter_context(self.storage.open_write(f"{self.rel}/{name}"))
         if entry.size == 0:
             self._end_file()
 
     def _end_file(self) -> None:
         name, entry = self.files[self._index]
-        if self._f is not None:
-            self._f.close()
-            self._f = None
+        self._open.close()
+        self._f = None
         if checksum.format_crc(self._crc) != entry.checksum:
             self.problems.append(f"{name}: the bytes received do not match the sender's checksum (corrupted)")
 
@@ -168,8 +167,7 @@ class Incoming:
         if self._index + 1 < len(self.files) or self._left:
             self.problems.append("the stream ended before every file the manifest lists")
         if self.problems:
-            if self._f is not None:
-                self._f.close()
+            self._open.close()
             layout.delete_step(self.storage, self.step)
             raise CheckpointCorruptError(f"copy of step {self.step} into {self.storage.url}: {'; '.join(self.problems[:3])}")
         self.storage.write_bytes(f"{self.rel}/{layout.MANIFEST}", self.header)

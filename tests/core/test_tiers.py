@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import traceback
 
 import pytest
@@ -452,6 +453,53 @@ def test_a_copy_never_writes_through_a_link_in_place_of_its_step_directory(tmp_p
     copy_.finish()
     assert os.listdir(outside) == []
     assert not os.path.islink(receiver.path(layout.step_dir(7))) and layout.check_step(receiver, 7).ok
+
+
+@pytest.mark.parametrize("swap", ["a FIFO", "a link to another run's file"])
+def test_a_file_swapped_after_its_manifest_is_sent_as_zeros_never_blocks_nor_reads_elsewhere(tmp_path, swap):
+    """The sender opened each file of its part by its path: a FIFO in its place blocked the transfer (and every
+    rank waiting on it) forever; a link sent another file's bytes. It is opened as a resume opens one now."""
+    sender, receiver = Storage(str(tmp_path / "a"), fsync=False), Storage(str(tmp_path / "b"), fsync=False)
+    write_rank_step(sender, 7, {"w": torch.arange(1000.0)}, b"rank file", rank=0, world_size=1, save="a1b2")
+    path = sender.path(f"{layout.step_dir(7)}/__0_0.distcp")
+    size = os.path.getsize(path)
+    os.unlink(path)
+    if swap == "a FIFO":
+        os.mkfifo(path)
+    else:
+        other = tmp_path / "other.bin"
+        other.write_bytes(b"x" * size)
+        os.symlink(other, path)
+    stream = Outgoing(sender, 7)
+    chunk = bytearray(stream.total)
+    filler = threading.Thread(target=stream.fill, args=(memoryview(chunk),), daemon=True)
+    filler.start()
+    filler.join(30)  # a guard, not a measure
+    assert not filler.is_alive(), "the sender blocked on the file"
+    stream.close()
+    copy_ = Incoming(receiver, 7, stream.header, sender="rank 0")
+    copy_.drain(memoryview(chunk))
+    with pytest.raises(CheckpointCorruptError, match="do not match the sender's checksum"):
+        copy_.finish()
+    assert stream.problems and layout.list_steps(receiver) == {}
+
+
+def test_a_copy_never_writes_through_a_link_planted_in_place_of_one_of_its_files(tmp_path, monkeypatch):
+    """Between the clear of the step directory and the write of a file, a link to another run's file takes the
+    file's name: the receiver opened the name and wrote through the link. Now it writes a new file in its place."""
+    sender, receiver = Storage(str(tmp_path / "a"), fsync=False), Storage(str(tmp_path / "b"), fsync=False)
+    write_rank_step(sender, 7, {"w": torch.arange(1000.0)}, b"rank file", rank=0, world_size=1, save="a1b2")
+    victim = tmp_path / "victim.bin"
+    victim.write_bytes(b"other run")
+    stream = Outgoing(sender, 7)
+    copy_ = Incoming(receiver, 7, stream.header, sender="rank 0")
+    os.makedirs(receiver.path(layout.step_dir(7)), exist_ok=True)
+    os.symlink(victim, receiver.path(f"{layout.step_dir(7)}/__0_0.distcp"))
+    chunk = bytearray(stream.total)
+    stream.fill(memoryview(chunk))
+    copy_.drain(memoryview(chunk))
+    copy_.finish()
+    assert victim.read_bytes() == b"other run" and layout.check_step(receiver, 7).ok
 
 
 def test_fast_tier_settings_come_from_the_environment_and_are_checked(monkeypatch):
