@@ -363,7 +363,8 @@ class ManifestReader:
     def status(self, step: int, *, signer: SignatureCheck | None = None) -> str:
         """Whether ``step`` (a step directory that has a ``manifest.json``) counts as committed: :data:`COMMITTED`;
         :data:`NOT_COMMITTED` (garbage: its manifest does not parse, or names another step); with a ``signer``,
-        :data:`REFUSED` (unsigned or forged: neither committed nor garbage). A step that does not count is warned about."""
+        :data:`REFUSED` (unsigned or forged: neither committed nor garbage). A step that does not count is warned about
+        (once per process)."""
         try:
             check_manifest(self.read(step), step, signer=signer)
             return COMMITTED
