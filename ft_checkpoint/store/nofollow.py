@@ -79,13 +79,9 @@ def read_regular_file(path: str, *, max_bytes: int, url: str) -> bytes:
         Traceback (most recent call last):
         ft_checkpoint.errors.CheckpointCorruptError: this module: larger than the 10 bytes ...
     """
-    fd = _open_regular(path, url)
-    try:
-        if os.fstat(fd).st_size > max_bytes:
-            raise too_large(url, max_bytes)
-        return _read_at_most(fd, max_bytes + 1)  # a file that grew since fstat: the caller sees the extra byte
-    finally:
-        os.close(fd)
+    data = read_regular_file_unless(path, (), max_bytes=max_bytes, url=url)[1]
+    assert data is not None  # nothing is known: the file is read
+    return data
 
 
 FileId = tuple[int, int]
@@ -110,7 +106,7 @@ def read_regular_file_unless(path: str, known: Container[FileId], *, max_bytes: 
             return identity, None
         if info.st_size > max_bytes:
             raise too_large(url, max_bytes)
-        return identity, _read_at_most(fd, max_bytes + 1)
+        return identity, _read_at_most(fd, max_bytes + 1)  # a file that grew since fstat: the caller sees the extra byte
     finally:
         os.close(fd)
 
