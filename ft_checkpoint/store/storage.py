@@ -558,7 +558,7 @@ class Storage:
         only a regular file, never through a link, and never waiting, and with ``size`` one of that size and
         not sparse (:meth:`read_bytes`)."""
         if self.is_local:
-            with open(self._open_local(rel, size), "rb", buffering=0) as f:
+            with self._local_file(rel, size) as f:
                 yield f
         else:
             with self.fs.open(self.path(rel), "rb", cache_type="none") as f:
@@ -578,7 +578,8 @@ class Storage:
         """
         return nofollow.open_regular_file(self.root, rel, url=self.url_of(rel), rewrite=True)
 
-    def _open_local(self, rel: str, size: int | None = None) -> int:
+    def _local_file(self, rel: str, size: int | None) -> Any:
+        """``rel`` on local disk, unbuffered, as :meth:`read_bytes` opens it (``size``: see there)."""
         fd = nofollow.open_regular_file(self.root, rel, url=self.url_of(rel))
         if size is not None:
             try:
@@ -586,7 +587,7 @@ class Storage:
             except BaseException:
                 os.close(fd)
                 raise
-        return fd
+        return open(fd, "rb", buffering=0)
 
     def sync_dir(self, rel: str) -> None:
         """Make the directory entries in ``rel`` durable (local disk, opened without following a link nor waiting on
@@ -612,7 +613,7 @@ class Storage:
         return self._call("read", rel, self.fs.cat_file, self.path(rel))
 
     def _read_local(self, rel: str, size: int | None) -> bytes:
-        with open(self._open_local(rel, size), "rb", buffering=0) as f:
+        with self._local_file(rel, size) as f:
             return f.readall()
 
     def read_control(self, rel: str, *, max_bytes: int) -> bytes:
@@ -669,7 +670,7 @@ class Storage:
         """Stream an object in chunks (for checksums of large shards without holding them in memory); on local
         disk only a regular file, and with ``size`` one of that size and not sparse (see :meth:`read_bytes`)."""
         if self.is_local:
-            f = self._call("open", rel, lambda: open(self._open_local(rel, size), "rb", buffering=0))
+            f = self._call("open", rel, self._local_file, rel, size)
         else:
             f = self._call("open", rel, self.fs.open, self.path(rel), "rb", **self.read_options)
         with f:
