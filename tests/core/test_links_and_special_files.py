@@ -154,16 +154,18 @@ def test_delete_step_removes_links_and_fifos_inside_a_step_but_never_their_targe
 
 
 # -- 5. special files never block ---------------------------------------------------------------
-def plant(path: str, kind: str) -> None:
-    """Put a special file named ``path`` in place of whatever is there."""
+def plant(path: str, kind: str, target: str = "/dev/zero") -> None:
+    """Put a special file named ``path`` in place of whatever is there (a link: to ``target``)."""
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
     elif os.path.lexists(path):
         os.remove(path)
     if kind == "fifo":
         os.mkfifo(path)
-    elif kind == "link to /dev/zero":
-        os.symlink("/dev/zero", path)
+    elif kind in ("link to /dev/zero", "symbolic link"):
+        os.symlink(target, path)
+    elif kind == "hard link":
+        os.link(target, path)
     elif kind == "directory":
         os.makedirs(os.path.join(path, "kept"))
     elif kind == "sparse 1 GiB":
@@ -509,9 +511,7 @@ def test_a_progress_note_swapped_after_its_first_write_is_never_written_through_
         path = Storage(url).path(f"{layout.JOURNAL_DIR}/{self.attempt}/{PROGRESS}")
         if not getattr(self, "swapped", False):
             self.swapped = True
-            os.unlink(path)
-            {"fifo": os.mkfifo, "symbolic link": lambda p: os.symlink(target, p),
-             "hard link": lambda p: os.link(target, p)}[swap](path)
+            plant(path, swap, target)
 
     monkeypatch.setattr(Journal, "_write_progress", write_then_swap)
 
