@@ -54,7 +54,7 @@ from typing import Any
 
 from ft_checkpoint.format import layout
 from ft_checkpoint.run.lease import _pid_alive as pid_alive
-from ft_checkpoint.store import jsonfile
+from ft_checkpoint.store import jsonfile, nofollow
 from ft_checkpoint.store.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -221,8 +221,7 @@ class FastFolder:
         """The step ``committed.json`` of rank ``rank`` names (None if none, or unreadable: logged)."""
         path = os.path.join(self.root, rank_dir(rank), COMMITTED)
         try:
-            with open(path, "rb") as f:
-                body = jsonfile.load_object(f.read(jsonfile.MAX_BYTES + 1))
+            body = _read_json(path)
             return Mark(step=jsonfile.get_int(body, "step", minimum=0, maximum=layout.MAX_STEP - 1),  # type: ignore[arg-type]
                         world_size=jsonfile.get_int(body, "world_size", minimum=1),  # type: ignore[arg-type]
                         save=jsonfile.get_str(body, "save", optional=True) or "")
@@ -258,10 +257,9 @@ class FastFolder:
         Storage(self.root, retries=1, fsync=False).write_bytes(OWNER, json.dumps(body).encode())
 
     def owner(self) -> dict[str, Any] | None:
-        """What ``owner.json`` says (None if it is missing or unreadable)."""
+        """What ``owner.json`` says (None if it is missing or unreadable: a FIFO or a link in its place, say)."""
         try:
-            with open(os.path.join(self.root, OWNER), "rb") as f:
-                return jsonfile.load_object(f.read(jsonfile.MAX_BYTES + 1))
+            return _read_json(os.path.join(self.root, OWNER))
         except (OSError, ValueError):
             return None
 
@@ -297,8 +295,10 @@ def clean_other_runs(fast_dirpath: str, key: str) -> list[str]:
     rank folders could be swapped for links while they are deleted) is left alone."""
     removed = []
     for folder in runs_in(fast_dirpath):
+        if folder.key == key or folder.problem() is not None:  # another user's folder is never read
+            continue
         owner = folder.owner()
-        if folder.key == key or owner is None or owner.get("host") != socket.gethostname() or folder.problem():
+        if owner is None or owner.get("host") != socket.gethostname():
             continue
         pids = owner.get("pids")
         if not isinstance(pids, list) or any(not jsonfile.is_int(p) or (0 < p < 2**31 and pid_alive(p)) for p in pids):
@@ -308,6 +308,12 @@ def clean_other_runs(fast_dirpath: str, key: str) -> list[str]:
                 folder.remove_all()
                 removed.append(folder.root)
     return removed
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    """The JSON object in ``path``, read without following a link or waiting on a FIFO (a folder named like a run's
+    may be anyone's), up to a journal entry's cap."""
+    return jsonfile.load_object(nofollow.read_regular_file(path, max_bytes=jsonfile.MAX_BYTES, url=path))
 
 
 _OWN_FOLDER = "point fast_dirpath at a folder only you can write (mkdir -m 700 /dev/shm/$USER)"

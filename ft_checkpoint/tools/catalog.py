@@ -149,7 +149,8 @@ def checkpoint_dirs_below(storage: Storage, limit: int = 5) -> list[str]:
 def fast_tier_steps(url: str, fast_dirpath: str) -> dict[int, dict[str, Any]]:
     """What a node's fast tier (``fast_dirpath``) holds of the runs whose durable dirpath is ``url``: by step, the
     ranks whose parts check (manifest and sizes), their bytes, whether the step is marked committed, and the
-    folders (each a checkpoint directory that ``inspect`` shows).
+    folders (each a checkpoint directory that ``inspect`` shows). Only this user's own folders count (the only
+    ones a resume uses); another user's is never read.
 
     Example:
         >>> fast_tier_steps("memory://doc/none", "/nonexistent")
@@ -160,6 +161,8 @@ def fast_tier_steps(url: str, fast_dirpath: str) -> dict[int, dict[str, Any]]:
 
     out: dict[int, dict[str, Any]] = {}
     for folder in runs_in(fast_dirpath):
+        if folder.problem() is not None:  # another user's: a resume never uses it, so it holds none of the run's steps
+            continue
         owner = folder.owner()
         if owner is None or owner.get("durable") != url:
             continue

@@ -306,6 +306,76 @@ def test_another_runs_folder_that_others_can_write_is_never_deleted(tmp_path):
     ckpt.close()
 
 
+def finishes(fn, seconds: float = 30.0):
+    """``fn()``'s result, or a failure if it is still running after ``seconds`` (blocked opening a FIFO: a writer
+    is opened on each FIFO under the test's folder then, so that the thread ends before the test does)."""
+    out: list = []
+    worker = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        for here, _, names in os.walk(os.environ["FT_TEST_FIFOS"]):
+            for name in names:
+                path = os.path.join(here, name)
+                if os.path.exists(path) and not os.path.isfile(path):
+                    os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(10)
+        pytest.fail(f"still blocked after {seconds} s")
+    return out[0] if out else None
+
+
+@pytest.mark.parametrize("whose", ["another user's", "this user's"])
+def test_a_fifo_for_owner_json_in_a_folder_named_like_a_run_never_blocks_a_start_nor_ls(tmp_path, monkeypatch,
+                                                                                        whose):
+    """Any user of a node can make a folder named like a run's in a shared ``fast_dirpath`` (``/dev/shm``): every
+    start read each such folder's ``owner.json`` (to remove the folders of runs that are gone) with a plain
+    ``open``, and a FIFO there blocked it forever, as it did ``ft-checkpoint ls --fast``. Another user's folder is
+    not read at all now; this user's own is read without waiting, and a FIFO in it is ignored."""
+    if whose == "another user's" and os.geteuid() != 0:
+        pytest.skip("giving a folder to another user needs root")
+    fast = tmp_path / "shm"
+    fast.mkdir()
+    fast.chmod(0o1777)  # as /dev/shm
+    forged = fast / "run-0123456789abcdef"
+    forged.mkdir(0o700)
+    os.mkfifo(forged / "owner.json")
+    if whose == "another user's":
+        os.chown(forged, 65534, 65534)
+    monkeypatch.setenv("FT_TEST_FIFOS", str(fast))
+    url = str(tmp_path / "ckpt")
+
+    def start_and_save() -> int | None:
+        with CheckpointManager(url, interval=1, fast_dirpath=str(fast), fast_interval=1) as ckpt:
+            assert ckpt.fast is not None, "the fast tier is used: the forged folder is another run's, not this one's"
+            ckpt.save(1, make(), block=True)
+            return ckpt.fast.committed
+
+    assert finishes(start_and_save) == 1
+    assert forged.is_dir() and (forged / "owner.json").is_fifo(), "left alone"
+    from ft_checkpoint.tools.catalog import fast_tier_steps
+
+    assert finishes(lambda: fast_tier_steps(os.path.abspath(url), str(fast))) == {}, "a clean end emptied its own"
+
+
+def test_ls_never_counts_another_users_copy_of_a_runs_fast_tier_folder(tmp_path):
+    """A resume uses only this user's own folders; ``ls --fast`` listed every folder whose owner.json names the run,
+    so another user's copy of one (its owner.json and parts intact) showed as a second holder of the step."""
+    if os.geteuid() != 0:
+        pytest.skip("giving a folder to another user needs root")
+    from ft_checkpoint.tools.catalog import fast_tier_steps
+
+    url, fast = str(tmp_path / "ckpt"), str(tmp_path / "fast")
+    run(url, fast, 1, interval=100)
+    (own,) = runs_in(fast)
+    forged = os.path.join(fast, "run-0123456789abcdef")
+    shutil.copytree(own.root, forged, symlinks=True)
+    for here, dirs, names in os.walk(forged):
+        for name in [".", *dirs, *names]:
+            os.lchown(os.path.join(here, name), 65534, 65534)
+    held = fast_tier_steps(os.path.abspath(url), fast)
+    assert held[1]["folders"] == [own.storage(0).url]
+
+
 def test_another_world_size_falls_back_to_the_durable_tier_saying_why(tmp_path, caplog):
     url, fast = str(tmp_path / "ckpt"), str(tmp_path / "fast")
     _, kept = run(url, fast, 6, keep=(4,))
