@@ -21,7 +21,7 @@ Example:
     >>> root = tempfile.mkdtemp()
     >>> os.mkfifo(os.path.join(root, "lease.json"))
     >>> try:
-    ...     read_regular_file(os.path.join(root, "lease.json"), max_bytes=1024, url="lease.json")
+    ...     read_regular_file(root, "lease.json", max_bytes=1024, url="lease.json")
     ... except CheckpointCorruptError as e:
     ...     print(str(e)[:50])
     lease.json is a FIFO, not a regular file: refusing
@@ -70,16 +70,17 @@ def too_large(url: str, max_bytes: int) -> CheckpointCorruptError:
                                   "to read it")
 
 
-def read_regular_file(path: str, *, max_bytes: int, url: str) -> bytes:
-    """The bytes of ``path`` if it is a regular file of at most ``max_bytes``; CheckpointCorruptError, at once,
-    for a link, a FIFO, a directory, a device or a larger file (``url`` names it in the message).
+def read_regular_file(root: str, rel: str, *, max_bytes: int, url: str) -> bytes:
+    """The bytes of ``root/rel`` if it is a regular file of at most ``max_bytes``; CheckpointCorruptError, at once,
+    for a link (the file or a directory on its way below ``root``), a FIFO, a directory, a device or a larger file
+    (``url`` names it in the message).
 
     Example:
-        >>> read_regular_file(__file__, max_bytes=10, url="this module")  # doctest: +ELLIPSIS
+        >>> read_regular_file(os.path.dirname(__file__), "nofollow.py", max_bytes=10, url="this module")
         Traceback (most recent call last):
         ft_checkpoint.errors.CheckpointCorruptError: this module: larger than the 10 bytes ...
     """
-    data = read_regular_file_unless(path, (), max_bytes=max_bytes, url=url)[1]
+    data = read_regular_file_unless(root, rel, (), max_bytes=max_bytes, url=url)[1]
     assert data is not None  # nothing is known: the file is read
     return data
 
@@ -88,17 +89,18 @@ FileId = tuple[int, int]
 """A local file's identity: its device and inode (the same for every hard link to it)."""
 
 
-def read_regular_file_unless(path: str, known: Container[FileId], *, max_bytes: int,
+def read_regular_file_unless(root: str, rel: str, known: Container[FileId], *, max_bytes: int,
                              url: str) -> tuple[FileId, bytes | None]:
-    """``(identity, bytes)`` of ``path``, checked and read as :func:`read_regular_file` does, except that a file
-    whose identity is in ``known`` (read already, under this name or through a hard link) is not read: None.
+    """``(identity, bytes)`` of ``root/rel``, checked and read as :func:`read_regular_file` does, except that a
+    file whose identity is in ``known`` (read already, under this name or through a hard link) is not read: None.
 
     Example:
-        >>> identity, data = read_regular_file_unless(__file__, (), max_bytes=1 << 20, url="this module")
-        >>> data[3:9], read_regular_file_unless(__file__, {identity}, max_bytes=1 << 20, url="this module")[1]
+        >>> here = os.path.dirname(__file__)
+        >>> identity, data = read_regular_file_unless(here, "nofollow.py", (), max_bytes=1 << 20, url="this module")
+        >>> data[3:9], read_regular_file_unless(here, "nofollow.py", {identity}, max_bytes=1 << 20, url="x")[1]
         (b'Local-', None)
     """
-    fd = _open_regular(path, url)
+    fd = open_regular_file(root, rel, url=url)
     try:
         info = os.fstat(fd)
         identity = (info.st_dev, info.st_ino)

@@ -619,9 +619,10 @@ class Storage:
     def read_control(self, rel: str, *, max_bytes: int) -> bytes:
         """Read a small control file (a manifest, the lease, a journal event) that anyone who can write the
         directory may have replaced: CheckpointCorruptError, at once, unless it is a regular file of at most
-        ``max_bytes``. On local disk it is opened without following a symbolic link and without waiting
-        (a FIFO never blocks), checked with ``fstat`` and read to at most ``max_bytes + 1`` bytes (neither
-        ``/dev/zero`` nor a sparse file of a terabyte is read whole); elsewhere one ranged read of as much.
+        ``max_bytes``. On local disk it is opened without following a symbolic link (nor one on its way: a step
+        directory swapped for one since a listing) and without waiting (a FIFO never blocks), checked with
+        ``fstat`` and read to at most ``max_bytes + 1`` bytes (neither ``/dev/zero`` nor a sparse file of a
+        terabyte is read whole); elsewhere one ranged read of as much.
 
         Example:
             >>> s = Storage("memory://doc/control")
@@ -633,7 +634,7 @@ class Storage:
             memory://doc/control/lease.json: larger than the 10 bytes a file of its kind may have; refusing to read it
         """
         if self.is_local:
-            data = self._call("read", rel, nofollow.read_regular_file, self.path(rel), max_bytes=max_bytes,
+            data = self._call("read", rel, nofollow.read_regular_file, self.root, rel, max_bytes=max_bytes,
                               url=self.url_of(rel))
         else:
             data = self._call("read", rel, self.fs.cat_file, self.path(rel), start=0, end=max_bytes + 1)
@@ -658,7 +659,7 @@ class Storage:
         """
         if not self.is_local:
             return parse(self.read_control(rel, max_bytes=max_bytes))
-        identity, data = self._call("read", rel, nofollow.read_regular_file_unless, self.path(rel), parsed,
+        identity, data = self._call("read", rel, nofollow.read_regular_file_unless, self.root, rel, parsed,
                                     max_bytes=max_bytes, url=self.url_of(rel))
         if data is not None:
             if len(data) > max_bytes:

@@ -219,16 +219,16 @@ class FastFolder:
 
     def committed(self, rank: int) -> Mark | None:
         """The step ``committed.json`` of rank ``rank`` names (None if none, or unreadable: logged)."""
-        path = os.path.join(self.root, rank_dir(rank), COMMITTED)
+        rel = f"{rank_dir(rank)}/{COMMITTED}"
         try:
-            body = _read_json(path)
+            body = _read_json(self.root, rel)
             return Mark(step=jsonfile.get_int(body, "step", minimum=0, maximum=layout.MAX_STEP - 1),  # type: ignore[arg-type]
                         world_size=jsonfile.get_int(body, "world_size", minimum=1),  # type: ignore[arg-type]
                         save=jsonfile.get_str(body, "save", optional=True) or "")
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as e:
-            log.warning("ignoring %s: %s", path, e)
+            log.warning("ignoring %s: %s", os.path.join(self.root, rel), e)
             return None
 
     def commit(self, rank: int, *, step: int, world_size: int, save: str) -> None:
@@ -259,7 +259,7 @@ class FastFolder:
     def owner(self) -> dict[str, Any] | None:
         """What ``owner.json`` says (None if it is missing or unreadable: a FIFO or a link in its place, say)."""
         try:
-            return _read_json(os.path.join(self.root, OWNER))
+            return _read_json(self.root, OWNER)
         except (OSError, ValueError):
             return None
 
@@ -310,10 +310,11 @@ def clean_other_runs(fast_dirpath: str, key: str) -> list[str]:
     return removed
 
 
-def _read_json(path: str) -> dict[str, Any]:
-    """The JSON object in ``path``, read without following a link or waiting on a FIFO (a folder named like a run's
-    may be anyone's), up to a journal entry's cap."""
-    return jsonfile.load_object(nofollow.read_regular_file(path, max_bytes=jsonfile.MAX_BYTES, url=path))
+def _read_json(folder: str, rel: str) -> dict[str, Any]:
+    """The JSON object in ``folder/rel``, read without following a link or waiting on a FIFO, up to a journal
+    entry's cap."""
+    return jsonfile.load_object(nofollow.read_regular_file(folder, rel, max_bytes=jsonfile.MAX_BYTES,
+                                                           url=os.path.join(folder, rel)))
 
 
 _OWN_FOLDER = "point fast_dirpath at a folder only you can write (mkdir -m 700 /dev/shm/$USER)"

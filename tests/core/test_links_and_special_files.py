@@ -18,7 +18,7 @@ import time
 import pytest
 
 from ft_checkpoint import CheckpointManager
-from ft_checkpoint.errors import LeaseError, SaveError
+from ft_checkpoint.errors import CheckpointCorruptError, LeaseError, SaveError
 from ft_checkpoint.format import layout
 from ft_checkpoint.run import retention
 from ft_checkpoint.run.journal import PROGRESS, Journal, read_journal
@@ -201,6 +201,22 @@ def test_a_manifest_that_is_no_small_regular_file_is_skipped_by_ls_verify_inspec
     with within_guard(CheckpointManager, url) as ckpt:
         assert within_guard(ckpt.resume, make(seed=9)) == 1
     assert reason in next(r.getMessage() for r in caplog.records if "skipping step 2" in r.getMessage())
+
+
+def test_a_control_file_is_never_read_through_a_step_directory_swapped_for_a_link(tmp_path):
+    """A manifest (or a journal entry) was opened by its whole path, ``O_NOFOLLOW`` on its last name only: a step
+    directory swapped for a link after the listing had its manifest read from wherever the link led (here another
+    run's step). Every directory below the root is opened without following a link now, as for the data files."""
+    victim, _ = victim_run(tmp_path)
+    ours = str(tmp_path / "ours")
+    two_saved_steps(ours)
+    swap_for_link(ours, 2, victim)
+    storage, rel = Storage(ours), f"{layout.step_dir(2)}/{layout.MANIFEST}"
+    with pytest.raises(CheckpointCorruptError, match="a directory on its way is a symbolic link"):
+        storage.read_control(rel, max_bytes=1 << 20)
+    with pytest.raises(CheckpointCorruptError, match="a directory on its way is a symbolic link"):
+        storage.read_control_once(rel, json.loads, max_bytes=1 << 20, parsed={})
+    assert json.loads(storage.read_control(f"{layout.step_dir(1)}/{layout.MANIFEST}", max_bytes=1 << 20))["step"] == 1
 
 
 @pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero", "directory"])
