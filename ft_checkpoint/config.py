@@ -31,6 +31,7 @@ from typing import Any
 from ft_checkpoint.errors import ConfigError
 from ft_checkpoint.format import layout, signing
 from ft_checkpoint.store.jsonfile import is_int, is_number
+from ft_checkpoint.store.storage import refuse_missing_slash
 from ft_checkpoint.units import parse_duration, parse_signal, short
 
 log = logging.getLogger(__name__)
@@ -289,6 +290,8 @@ def _check_dirpath(field: str, value: Any) -> str | None:
     if value is not None and set("*?[]") & set(value):
         _bad(field, value, "a path without *, ?, [ or ], which fsspec expands as patterns on some stores (a delete "
                            "in 'runs/sweep[1]' would also match 'runs/sweep1'); e.g. 'runs/sweep-1'")
+    if isinstance(value, str):
+        refuse_missing_slash(field, value)
     return value
 
 

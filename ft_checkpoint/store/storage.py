@@ -209,6 +209,28 @@ def _denied(exc: BaseException) -> bool:
                or (type(e) is OSError and str(e).startswith("Forbidden")) for e in _chain(exc))
 
 
+def missing_slash(url: str) -> str | None:
+    """What ``url`` was meant to be if it is a URL of a known fsspec protocol missing a slash (``gs:/bucket/run``,
+    ``s3:bucket/run``): fsspec reads those as local paths (``./gs:/bucket/run``); else None.
+
+    Example:
+        >>> missing_slash("gs:/bucket/run"), missing_slash("gs://bucket/run"), missing_slash("file:/tmp/run")
+        ('gs://bucket/run', None, None)
+    """
+    scheme, colon, rest = url.partition(":")
+    if not colon or rest.startswith("//") or "/" in scheme or scheme.lower() in ("file", "local"):
+        return None
+    return f"{scheme}://{rest.lstrip('/')}" if scheme.lower() in fsspec.available_protocols() else None
+
+
+def refuse_missing_slash(field: str, url: str) -> None:
+    """ConfigError if ``url`` is a URL missing a slash (see :func:`missing_slash`), saying what was meant."""
+    if (meant := missing_slash(url)) is not None:
+        raise ConfigError(f"{field}={url!r} looks like {meant!r} missing a slash: as written it is a local folder "
+                          f"named {url.partition(':')[0] + ':'!r} on this node's own disk. HINT: write {meant!r} (or "
+                          f"'./{url}' for a local folder of that name)")
+
+
 def make_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """Resolve ``url`` to ``(filesystem, root path)``, with errors that say what to fix.
 
@@ -228,6 +250,7 @@ def make_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> 
             f"dirpath={url!r} contains one of {''.join(sorted(GLOB_CHARACTERS))}, which fsspec expands as a pattern on "
             "some stores (a delete in 'runs/sweep[1]' would also match 'runs/sweep1'). HINT: use a name without them, "
             "e.g. 'runs/sweep-1'")
+    refuse_missing_slash("dirpath", url)
     options = single_attempt_options(url.split("://", 1)[0] if "://" in url else "file", storage_options or {})
     try:
         fs, root = url_to_fs(os.path.expanduser(url), **{**options, "skip_instance_cache": True})

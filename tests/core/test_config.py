@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 from decimal import Decimal
 from fractions import Fraction
 
@@ -14,6 +15,7 @@ from ft_checkpoint.config import ENV_CONFIG_FILE, ENV_PREFIX, FIELDS
 from ft_checkpoint.errors import ConfigError
 from ft_checkpoint.policies.adaptive.policy import AdaptiveInterval
 from ft_checkpoint.policies.interval import policy_from_interval
+from ft_checkpoint.store.storage import Storage, missing_slash
 from ft_checkpoint.units import parse_duration
 
 INVALID = [
@@ -123,6 +125,26 @@ def test_manager_needs_a_dirpath(monkeypatch):
 def test_wrong_url_scheme_is_clear():
     with pytest.raises(ConfigError, match=r"dirpath='nosuch://b/run'.*Protocol not known"):
         CheckpointManager("nosuch://b/run")
+
+
+@pytest.mark.parametrize("url", ["gs:/bucket/run", "s3:bucket/run", "gcs:/b/run", "memory:/run"])
+def test_a_url_missing_a_slash_is_refused_not_made_a_local_folder(url, tmp_path, monkeypatch):
+    """fsspec reads ``gs:/bucket/run`` as the local path ``./gs:/bucket/run``: the job saved to the node's own disk,
+    lost with the node, while its user believed it saved to GCS."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=f"dirpath='{url}' looks like .* missing a slash") as e:
+        CheckpointManager(url, interval=1)
+    scheme = url.split(":")[0]
+    assert f"HINT: write '{scheme}://" in str(e.value) and f"'./{url}'" in str(e.value)
+    assert os.listdir(tmp_path) == [], "nothing is made on the local disk"
+    for given in (lambda: Storage(url), lambda: CheckpointConfig(dirpath=url)):  # the CLI; each integration's config
+        with pytest.raises(ConfigError, match="missing a slash"):
+            given()
+
+
+@pytest.mark.parametrize("url", ["file:/tmp/run", "./gs:/bucket/run", "runs/gs:/x", "C:/x"])
+def test_paths_that_only_look_like_a_url_missing_a_slash_are_kept(url):
+    assert not missing_slash(url)
 
 
 def test_min_interval_cannot_exceed_max_interval():
