@@ -321,6 +321,10 @@ def _normalize_interval(field: str, value: Any) -> int | datetime.timedelta | st
             return "adaptive"
         if text.isascii() and text.isdigit():
             return _check_int(field, int(text) if len(text) <= 13 else math.inf, minimum=1)
+    if _finite_number(value):  # 100.0, "100.0", a YAML 1e3
+        raise ConfigError(f"{field}={short(value)} is invalid: a bare fractional number could mean steps or seconds "
+                          f"(an int is a number of steps). HINT: write an int for every N steps, or "
+                          f"'{str(value).strip()}s', '30m' or a timedelta for a time")
     try:
         seconds = parse_duration(value)
     except ValueError:
@@ -329,6 +333,16 @@ def _normalize_interval(field: str, value: Any) -> int | datetime.timedelta | st
         _bad(field, value, "an int >= 1 (steps), a timedelta or duration from 1 ms up to 100 years like '30m', "
                            "or 'adaptive'")
     return datetime.timedelta(seconds=seconds)
+
+
+def _finite_number(value: Any) -> bool:
+    """Whether ``value`` is a float, or a string of one, that is finite."""
+    if not isinstance(value, (float, str)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except ValueError:
+        return False
 
 
 def _normalize_rate(field: str, value: Any) -> float | None:

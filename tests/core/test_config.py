@@ -51,6 +51,7 @@ def test_interval_forms():
     assert CheckpointConfig(interval=200).interval == 200
     assert CheckpointConfig(interval="200").interval == 200
     assert CheckpointConfig(interval="90s").interval == datetime.timedelta(seconds=90)
+    assert CheckpointConfig(interval="2.5 s").interval == datetime.timedelta(seconds=2.5)
     assert CheckpointConfig(interval="2h").interval == datetime.timedelta(hours=2)
     assert CheckpointConfig(interval=datetime.timedelta(minutes=5)).interval == datetime.timedelta(minutes=5)
     assert CheckpointConfig(interval="Adaptive").interval == "adaptive"
@@ -145,6 +146,16 @@ def test_a_url_missing_a_slash_is_refused_not_made_a_local_folder(url, tmp_path,
 @pytest.mark.parametrize("url", ["file:/tmp/run", "./gs:/bucket/run", "runs/gs:/x", "C:/x"])
 def test_paths_that_only_look_like_a_url_missing_a_slash_are_kept(url):
     assert not missing_slash(url)
+
+
+@pytest.mark.parametrize("field", ["interval", "fast_interval"])
+@pytest.mark.parametrize("value", [1e3, 100.0, 2.5, "100.0", " 2.5 "])
+def test_a_bare_fractional_number_for_an_interval_is_refused_not_taken_for_seconds(field, value):
+    """``interval=100`` saves every 100 steps, but ``interval=100.0`` (a YAML ``1e3``, a computed value) saved every
+    100 seconds, with nothing said: a bare number with a fraction could mean either."""
+    hint = f"'{str(value).strip()}s'"
+    with pytest.raises(ConfigError, match=rf"^{field}=.* is invalid: .*could mean steps or seconds.*HINT: .*{hint}"):
+        CheckpointConfig(**{field: value})
 
 
 def test_min_interval_cannot_exceed_max_interval():
