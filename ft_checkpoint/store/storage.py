@@ -216,9 +216,11 @@ def missing_slash(url: str) -> str | None:
     Example:
         >>> missing_slash("gs:/bucket/run"), missing_slash("gs://bucket/run"), missing_slash("file:/tmp/run")
         ('gs://bucket/run', None, None)
+        >>> missing_slash("simplecache::gs://bucket/run"), missing_slash("simplecache::gs:/bucket/run")
+        (None, None)
     """
     scheme, colon, rest = url.partition(":")
-    if not colon or rest.startswith("//") or "/" in scheme or scheme.lower() in ("file", "local"):
+    if not colon or rest.startswith(("//", ":")) or "/" in scheme or scheme.lower() in ("file", "local"):  # "::": chained
         return None
     return f"{scheme}://{rest.lstrip('/')}" if scheme.lower() in fsspec.available_protocols() else None
 
