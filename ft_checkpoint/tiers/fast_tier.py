@@ -110,7 +110,8 @@ class FastTier:
                  **adaptive: Any) -> None:
         assert config.fast_dirpath is not None
         self.config, self.groups, self.durable_url = config, groups, durable_url
-        self.dirpath: str = config.fast_dirpath
+        self.dirpath: str = folder.fast_dirpath
+        """``fast_dirpath`` as resolved when the folder was claimed (a link on the way is not followed again)."""
         self.node = config.node_id or default_node_id(self.dirpath)
         self.folder = folder
         """This run's folder on this node, claimed (see ``FastFolder.claim``)."""

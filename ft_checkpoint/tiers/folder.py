@@ -108,7 +108,9 @@ class FastFolder:
         """Create this folder, for this user only (mode 700), or check the one there; None if it may be used, else
         why not and what to do. It may be used if it is a real directory of this user that no one else can
         write, each rank's folder in it is one of this user's, and ``fast_dirpath`` lets no one else replace it
-        (it is this user's or root's, and has the sticky bit, as ``/dev/shm``, if others may write it).
+        (it is this user's or root's, and has the sticky bit, as ``/dev/shm``, if others may write it; so is every
+        folder on its way, and no link of another user's leads there). ``fast_dirpath`` is resolved here, once: a
+        link of the user's on its way is not followed again (pointed elsewhere later, it does not move the tier).
 
         Example:
             >>> import tempfile
@@ -119,7 +121,9 @@ class FastFolder:
         for _ in range(3):  # again if another run removed the folder, found unused, while this start waited
             try:
                 os.makedirs(self.fast_dirpath, 0o700, exist_ok=True)
-                if (problem := _unsafe_holder(self.fast_dirpath)) is not None:
+                given, self.fast_dirpath = self.fast_dirpath, os.path.realpath(self.fast_dirpath)
+                self.root = os.path.join(self.fast_dirpath, self.key)  # a link on the way is followed this once
+                if (problem := _others_link(given) or _unsafe_path(self.fast_dirpath)) is not None:
                     return problem
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(self.root, 0o700)
@@ -343,15 +347,40 @@ def _not_own(path: str, *, private: bool = False) -> str | None:
     return None
 
 
-def _unsafe_holder(fast_dirpath: str) -> str | None:
-    """None if no one but this user and root can rename or replace what ``fast_dirpath`` holds; else why, and what
-    to do."""
-    info = os.stat(fast_dirpath)  # as the user named it (it may be a link of theirs)
-    if info.st_uid not in (os.geteuid(), 0):
-        return (f"{fast_dirpath} belongs to {_user(info.st_uid)}, who can replace this run's folder in it. "
-                f"HINT: {_OWN_FOLDER}")
-    if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
-        return (f"{fast_dirpath} can be written by other users (mode {stat.filemode(info.st_mode)}) and has no sticky "
-                f"bit (as /dev/shm has): any of them can replace this run's folder in it. HINT: chmod +t or go-w "
-                f"{fast_dirpath}, or {_OWN_FOLDER}")
+def _others_link(path: str) -> str | None:
+    """Why not, if a folder on the way to ``path`` (as the user named it) is a symbolic link of another user's (they
+    could point it anywhere)."""
+    for here in _folders_to(os.path.abspath(path)):
+        info = os.lstat(here)
+        if stat.S_ISLNK(info.st_mode) and info.st_uid not in (os.geteuid(), 0):
+            return (f"{here} is a symbolic link of {_user(info.st_uid)}, who can point it anywhere. "
+                    f"HINT: {_OWN_FOLDER}")
     return None
+
+
+def _unsafe_path(fast_dirpath: str) -> str | None:
+    """None if no one but this user and root can rename or replace ``fast_dirpath`` (a real path), a folder on its
+    way, or what it holds; else why, and what to do."""
+    for here in _folders_to(fast_dirpath):
+        info = os.lstat(here)
+        if stat.S_ISLNK(info.st_mode):
+            return f"{here} became a symbolic link while this job started. HINT: {_OWN_FOLDER}"
+        if info.st_uid not in (os.geteuid(), 0):
+            return f"{here} belongs to {_user(info.st_uid)}, who can replace this run's folder in it. HINT: {_OWN_FOLDER}"
+        if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+            where = "in it" if here == fast_dirpath else f"below it, in {fast_dirpath}"
+            return (f"{here} can be written by other users (mode {stat.filemode(info.st_mode)}) and has no sticky "
+                    f"bit (as /dev/shm has): any of them can replace this run's folder {where}. HINT: chmod +t or "
+                    f"go-w {here}, or {_OWN_FOLDER}")
+    return None
+
+
+def _folders_to(path: str) -> list[str]:
+    """``/``, then each folder down to ``path`` (absolute).
+
+    Example:
+        >>> _folders_to("/dev/shm/ft")
+        ['/', '/dev', '/dev/shm', '/dev/shm/ft']
+    """
+    parts = [part for part in path.split("/") if part]
+    return ["/"] + ["/" + "/".join(parts[:i]) for i in range(1, len(parts) + 1)]

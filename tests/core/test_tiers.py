@@ -292,6 +292,82 @@ def test_a_fast_dirpath_others_can_write_is_used_only_with_the_sticky_bit(tmp_pa
     assert ("sticky bit" in caplog.text) != used
 
 
+def repoint(link: str, target: str, uid: int | None = None) -> None:
+    """Point the symbolic link ``link`` at ``target`` (atomically), a link of user ``uid`` (default: this one)."""
+    os.symlink(target, link + ".new")
+    if uid is not None:
+        os.lchown(link + ".new", uid, uid)
+    os.rename(link + ".new", link)
+
+
+def test_a_fast_dirpath_that_is_another_users_link_is_refused_and_never_followed_later(tmp_path, monkeypatch, caplog):
+    """Another user makes the README's ``/dev/shm/ft`` a link of theirs to a folder that passes the checks (root's,
+    sticky), then, once the job has claimed its folder there, points it at a folder of theirs whose ``rank_00000``
+    links to another run of the victim: every later fast-tier operation went by the path, through the link, and the
+    first fast save's retention deleted that run's steps. The link is refused now; and the fast tier works in the
+    real path resolved at its start, whatever a link on the way points to later."""
+    if os.geteuid() != 0:
+        pytest.skip("planting another user's link needs root")
+    shm, sticky = tmp_path / "shm", tmp_path / "sticky"
+    for folder in (shm, sticky):
+        folder.mkdir()
+        folder.chmod(0o1777)  # as /dev/shm and /tmp: root's, anyone writes, sticky
+    victim = str(tmp_path / "precious")
+    run(victim, str(tmp_path / "victim-fast"), 2, interval=1, fast_interval=100)
+    before = tree(victim)
+    fast = str(shm / "ft")
+    repoint(fast, str(sticky), uid=65534)
+    claim = FastFolder.claim
+
+    def claim_then_repoint(self):  # the other user's swap, right after the checks
+        problem = claim(self)
+        evil = os.path.join(shm, "evil")
+        os.makedirs(os.path.join(evil, self.key))
+        os.symlink(victim, os.path.join(evil, self.key, "rank_00000"))
+        for path in (evil, os.path.join(evil, self.key), os.path.join(evil, self.key, "rank_00000")):
+            os.lchown(path, 65534, 65534)
+        repoint(fast, evil, uid=65534)
+        return problem
+
+    monkeypatch.setattr(FastFolder, "claim", claim_then_repoint)
+    with caplog.at_level(logging.WARNING, logger="ft_checkpoint"):
+        with CheckpointManager(str(tmp_path / "ckpt"), interval=100, fast_dirpath=fast, fast_interval=1) as ckpt:
+            for step in (5, 6):
+                ckpt.save(step, make(), block=True)
+    assert tree(victim) == before, "nothing is written into, or deleted from, what the link leads to"
+    assert ckpt.fast is None and f"{fast} is a symbolic link of nobody (uid 65534)" in caplog.text
+
+
+def test_the_fast_tier_stays_in_the_folder_it_resolved_at_its_start(tmp_path):
+    """A link of the user's own on the way to ``fast_dirpath`` is followed once, at the start: pointed elsewhere
+    later, it no longer moves the fast tier."""
+    real, other = tmp_path / "real", tmp_path / "other"
+    real.mkdir()
+    other.mkdir()
+    link = str(tmp_path / "fast")
+    os.symlink(real, link)
+    with CheckpointManager(str(tmp_path / "ckpt"), interval=100, fast_dirpath=link, fast_interval=1) as ckpt:
+        assert ckpt.fast is not None and ckpt.fast.folder.root.startswith(str(real))
+        repoint(link, str(other))
+        ckpt.save(1, make(), block=True)
+        assert ckpt.fast.committed == 1 and runs_in(str(real)) and not os.listdir(other)
+
+
+@pytest.mark.parametrize(("mode", "used"), [(0o777, False), (0o1777, True), (0o755, True)])
+def test_a_fast_dirpath_below_a_folder_others_can_write_is_used_only_with_the_sticky_bit(tmp_path, caplog, mode, used):
+    """``<open>/ft`` may be this user's own, but whoever can write ``<open>`` (without its sticky bit) can rename
+    ``ft`` away and put a link in its place: every folder on the way is checked, as ``fast_dirpath`` itself is."""
+    above = tmp_path / "open"
+    above.mkdir()
+    above.chmod(mode)
+    (above / "ft").mkdir(mode=0o700)
+    with caplog.at_level(logging.WARNING, logger="ft_checkpoint"):
+        with CheckpointManager(str(tmp_path / "ckpt"), interval=100, fast_dirpath=str(above / "ft"),
+                               fast_interval=1) as ckpt:
+            assert (ckpt.fast is not None) == used
+    assert (f"{above} can be written by other users" in caplog.text) != used
+
+
 def test_another_runs_folder_that_others_can_write_is_never_deleted(tmp_path):
     """Deleting a folder others can write would race them (a rank folder swapped for a link between the check and
     the delete): another run's folder is removed only if it is this user's own."""
