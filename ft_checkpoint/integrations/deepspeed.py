@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import io
 import logging
 import os
 import shutil
@@ -48,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, StateMismatchError
-from ft_checkpoint.format import layout
+from ft_checkpoint.format import layout, torch_file
 from ft_checkpoint.integrations import _deepspeed_internals as internals
 from ft_checkpoint.state import StepFiles
 
@@ -367,19 +366,9 @@ def _read(files: StepFiles, name: str) -> bytes:
 
 
 def _decode(name: str, data: bytes) -> Any:
-    """A DeepSpeed file's contents: ``torch.load(weights_only=True)`` with DeepSpeed's classes allowlisted."""
-    try:
-        with torch.serialization.safe_globals(internals.safe_globals()):
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as e:  # a forged or damaged file; nothing in it ran
-        raise CheckpointCorruptError(f"{name}: cannot be loaded safely ({type(e).__name__}: {_why(e)})") from e
-
-
-def _why(e: Exception) -> str:
-    """The line of torch's weights-only error that names what was refused (the rest is advice to load anyway)."""
-    lines = [line.strip() for line in str(e).splitlines()]
-    line = next((line for line in lines if line.startswith("WeightsUnpickler error:")), lines[0] if lines else "")
-    return line.split(". Please use")[0]
+    """A DeepSpeed file's contents: ``torch.load(weights_only=True)`` with DeepSpeed's classes allowlisted, once
+    the file checked as what ``torch.save`` writes (see ``torch_file``)."""
+    return torch_file.load(data, name, safe_globals=internals.safe_globals())
 
 
 def _read_all(files: StepFiles, names: list[str]) -> dict[str, Any]:

@@ -22,7 +22,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
 import math
 import os
@@ -35,7 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ft_checkpoint.errors import CheckpointCorruptError, StateMismatchError, StorageError
-from ft_checkpoint.format import layout, legacy, shards
+from ft_checkpoint.format import layout, legacy, shards, torch_file
 from ft_checkpoint.progress import Progress
 from ft_checkpoint.run.dist import Groups
 from ft_checkpoint.state import (
@@ -88,11 +87,7 @@ class StepLoader:
             metadata = shards.parse_metadata(self.read_file(manifest, layout.METADATA), manifest)
         name = self._rank_file_name(manifest)
         data = self.read_file(manifest, name)
-        try:
-            rank_state = torch.load(io.BytesIO(data), weights_only=True)
-        except Exception as e:
-            raise CheckpointCorruptError(f"{self.storage.url_of(layout.step_dir(step))}/{name}: cannot be loaded "
-                                         f"safely ({type(e).__name__}: {e})") from e
+        rank_state = torch_file.load(data, f"{self.storage.url_of(layout.step_dir(step))}/{name}")
         if not isinstance(rank_state, dict) or set(rank_state) != {"skeleton", "per_rank"} \
                 or not isinstance(rank_state["per_rank"], dict):
             raise CheckpointCorruptError(f"{name}: not an ft-checkpoint rank file")

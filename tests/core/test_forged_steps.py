@@ -180,6 +180,41 @@ def test_a_state_file_of_shared_parts_skips_the_step_at_once(tmp_path, caplog):
     assert error is None, error
 
 
+def rank_file_written_as(url: str, how: str) -> bytes:
+    """Step 2's rank file, with 64 MB of zeros added to its per-rank state, written ``how``: its zip records
+    DEFLATE-compressed (65 kB on disk; ``torch.load`` inflates them), or in torch's legacy format (not a zip)."""
+    rank_state = torch.load(io.BytesIO(Storage(url).read_bytes(f"{layout.step_dir(2)}/{layout.rank_file(0)}")),
+                            weights_only=True)
+    rank_state["per_rank"]["state"] = {"bomb": torch.zeros(16 << 20)}
+    plain = io.BytesIO()
+    torch.save(rank_state, plain, _use_new_zipfile_serialization=how == "deflated")
+    if how != "deflated":
+        return plain.getvalue()
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(plain.getvalue())) as src, \
+            zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info.filename))
+    assert len(out.getvalue()) < 1e6
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(("how", "reason"), [("deflated", "compressed"), ("legacy", "not a zip archive")])
+def test_a_rank_file_that_is_not_what_torch_save_writes_is_refused_before_it_is_loaded(tmp_path, caplog, monkeypatch,
+                                                                                        how, reason):
+    """``torch.load`` inflates DEFLATE-compressed records, which ``torch.save`` never writes: a rank file of 65 kB
+    (its checksum recomputed) made every start allocate its 64 MB (a 16 MB file, tens of GB); and torch's legacy
+    format allocates each storage at the size its pickle declares. Both are refused before ``torch.load``."""
+    url = str(tmp_path / "ckpt")
+    step1 = two_steps(url)
+    replace_with_checksum(Storage(url), 2, layout.rank_file(0), rank_file_written_as(url, how))
+    loads = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda f, *a, **k: loads.append(len(f.getvalue())) or real_load(f, *a, **k))
+    resumed_twice(url, step1, caplog, reason)
+    assert all(size < 1e6 for size in loads), "the forged rank file was given to torch.load"
+
+
 def make_sparse_with_checksum(url: str, step: int, name: str, size: int) -> None:
     """Extend a file of a step to ``size`` bytes with holes (a few kB on disk) and list it in the manifest at
     that size, with the CRC of what it now reads as: what anyone who can write the directory can do."""
