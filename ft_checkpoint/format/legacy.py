@@ -163,7 +163,9 @@ def _record(index: Any, info: Any, sizes: dict[str, int]) -> tuple[MetadataIndex
 
 
 class _StorageAdapter(FsspecFileSystem):
-    """DCP's fsspec adapter on our storage's filesystem instance: each open retried on transient errors."""
+    """DCP's fsspec adapter on our storage's filesystem instance: each open retried on transient errors, and on
+    local disk made as every read of a step's file is (``Storage.open_read``: no link, no FIFO waited on), since
+    the shard may have been swapped since its checksum pass."""
 
     def __init__(self, storage: Storage) -> None:
         super().__init__()
@@ -173,6 +175,11 @@ class _StorageAdapter(FsspecFileSystem):
     @contextlib.contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
         path = os.fspath(path)
+        prefix = self.storage.url_of("") + "/"
+        if self.storage.is_local and mode == "rb" and path.startswith(prefix):
+            with self.storage.open_read(path[len(prefix):]) as stream:
+                yield stream
+            return
         with self.storage.retrying("open", path, self.fs.open, path, mode, **self.storage.read_options) as stream:
             yield stream
 

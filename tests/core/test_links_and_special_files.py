@@ -20,6 +20,7 @@ import pytest
 from ft_checkpoint import CheckpointManager
 from ft_checkpoint.errors import CheckpointCorruptError, LeaseError, SaveError
 from ft_checkpoint.format import layout
+from ft_checkpoint.load import loading
 from ft_checkpoint.run import retention
 from ft_checkpoint.run.journal import PROGRESS, Journal, read_journal
 from ft_checkpoint.save.engine import CheckpointEngine
@@ -490,6 +491,34 @@ def test_a_file_swapped_for_a_special_file_after_the_check_is_corrupt_and_the_re
         assert within_guard(ckpt.resume, make(seed=9)) == 1
     skipped = next(r.getMessage() for r in caplog.records if "skipping step 2" in r.getMessage())
     assert f"{name} is {'a FIFO' if kind == 'fifo' else 'a symbolic link'}, not a regular file" in skipped, skipped
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link to another run's shard"])
+def test_a_format1_shard_swapped_after_its_checksum_pass_is_never_read_through_a_link_nor_blocks(
+        tmp_path, monkeypatch, caplog, kind):
+    """A format-1 step's shards are hashed when the step is opened, then DCP's reader opened them again by path
+    through fsspec: a FIFO swapped in between blocked the resume forever, and a link had the step's tensors read
+    from another run's file. They are opened the way every data file is now (no link, no wait)."""
+    url, other = str(tmp_path / "ckpt"), str(tmp_path / "other")
+    write_legacy_step(url, 1, make(seed=1))
+    write_legacy_step(url, 2, make(seed=2))
+    write_legacy_step(other, 5, make(seed=7))
+    shard = "__0_0.distcp"
+    open_step = loading.StepLoader.open_step
+
+    def open_then_swap(self, manifest):
+        opened = open_step(self, manifest)
+        if manifest.step == 2:
+            plant(os.path.join(url, layout.step_dir(2), shard), "fifo" if kind == "fifo" else "symbolic link",
+                  os.path.join(other, layout.step_dir(5), shard))
+        return opened
+
+    monkeypatch.setattr(loading.StepLoader, "open_step", open_then_swap)
+    caplog.set_level(logging.WARNING, logger="ft_checkpoint")
+    with within_guard(CheckpointManager, url) as ckpt:
+        assert within_guard(ckpt.resume, make(seed=9)) == 1
+    skipped = next(r.getMessage() for r in caplog.records if "skipping step 2" in r.getMessage())
+    assert f"{shard} is {'a FIFO' if kind == 'fifo' else 'a symbolic link'}, not a regular file" in skipped, skipped
 
 
 @pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero"])
