@@ -626,7 +626,8 @@ class Storage:
         its way) and without waiting, checked with ``fstat`` (CheckpointCorruptError, at once, for a link, a FIFO,
         a device or a directory, even one swapped in since a listing), then read from that descriptor. ``size``:
         the size a step's manifest lists for it; on local disk the file opened must have it and not be sparse
-        (:func:`refuse_changed_or_sparse`), else CheckpointCorruptError before a byte is read.
+        (:func:`refuse_changed_or_sparse`), else CheckpointCorruptError before a byte is read; elsewhere one ranged
+        read of at most a byte more, and CheckpointCorruptError unless it has that size.
 
         Example:
             >>> s = Storage("memory://doc/read"); s.write_bytes("a.bin", b"abc")
@@ -635,7 +636,17 @@ class Storage:
         """
         if self.is_local:
             return self._call("read", rel, self._read_local, rel, size)
-        return self._call("read", rel, self.fs.cat_file, self.path(rel))
+        if not size:  # unknown, or 0 (a range of an empty object is refused by some stores)
+            data = self._call("read", rel, self.fs.cat_file, self.path(rel))
+            if size is None:
+                return data
+        else:
+            data = self._call("read", rel, self.fs.cat_file, self.path(rel), start=0, end=size + 1)  # never more
+        if len(data) != size:
+            raise CheckpointCorruptError(f"{self.url_of(rel)}: has {'more than ' if len(data) > size else ''}"
+                                         f"{min(len(data), size)} bytes, the manifest says {size} (changed since it "
+                                         "was listed); refusing to read it")
+        return data
 
     def _read_local(self, rel: str, size: int | None) -> bytes:
         with self._local_file(rel, size) as f:

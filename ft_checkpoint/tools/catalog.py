@@ -252,7 +252,7 @@ def inspect_step(storage: Storage, step: int, *, signer: Signer | None = None) -
         entry = manifest.files.get(name)
         if entry is None:
             raise CheckpointCorruptError(f"the manifest lists no {name}")
-        data = storage.read_control(f"{layout.step_dir(step)}/{name}", max_bytes=entry.size)
+        data = storage.read_bytes(f"{layout.step_dir(step)}/{name}", size=entry.size)  # a sparse one: refused unread
         if len(data) != entry.size or not checksum.matches(entry.checksum, [data]):
             raise CheckpointCorruptError(f"{name} does not match its checksum (corrupted); refusing to read it. "
                                          "HINT: run ft-checkpoint verify")

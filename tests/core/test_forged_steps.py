@@ -246,6 +246,25 @@ def test_a_sparse_small_file_of_a_gigabyte_is_refused_unread(tmp_path, caplog, n
     goes_on_past_step_2(url)
 
 
+def test_inspect_refuses_a_sparse_metadata_file_unread(tmp_path):
+    """``ft-checkpoint inspect`` read ``metadata.json`` with the manifest's size as its cap: made a 1 GiB sparse
+    file, it was read whole (1 GiB of memory, more for a larger forged size)."""
+    from ft_checkpoint.errors import CheckpointCorruptError
+    from ft_checkpoint.tools.catalog import inspect_step
+
+    url = str(tmp_path / "ckpt")
+    two_steps(url)
+    make_sparse_with_checksum(url, 2, layout.METADATA, 1 << 30)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointCorruptError, match="a sparse file"):
+            inspect_step(Storage(url), 2)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 100e6, f"peak {peak / 1e6:.1f} MB"
+
+
 def test_a_file_swapped_for_a_sparse_one_after_its_listing_is_refused_at_the_read(tmp_path, caplog, monkeypatch):
     """The rank file is 1 GiB with 17 MiB stored when the step is listed and checked (over 1/64: it passes), and
     is swapped for a 1 GiB file of holes just before the read opens it: the check made on an ``lstat`` of the

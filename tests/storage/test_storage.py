@@ -25,6 +25,24 @@ def test_write_read_overwrite(storage):
     assert storage.read_bytes("a/b.bin") == b"second"
 
 
+def test_a_file_larger_than_its_listed_size_is_refused_and_never_read_whole(storage, monkeypatch):
+    """A file read at the size its manifest lists (a rank file, ``metadata.json``) that grew or was replaced since
+    (10 MB here): on object stores it was read whole; now one ranged read of one byte more, then refused."""
+    storage.write_bytes("a.bin", b"x" * 10_000_000)
+    assert storage.read_bytes("a.bin", size=10_000_000) == b"x" * 10_000_000
+    storage.write_bytes("empty.bin", b"")
+    assert storage.read_bytes("empty.bin", size=0) == b""
+    if not storage.is_local:
+        received = []
+        cat_file = storage.fs.cat_file
+        monkeypatch.setattr(storage.fs, "cat_file", lambda *a, **k: received.append(len(data := cat_file(*a, **k))) or data)
+    for size in (100, 20_000_000):
+        with pytest.raises(CheckpointCorruptError, match=f"the manifest says {size} .changed since it was listed"):
+            storage.read_bytes("a.bin", size=size)
+    if not storage.is_local:
+        assert received == [101, 10_000_000]
+
+
 def test_listdir_and_sizes(storage):
     storage.write_bytes("step_000000000002/x.pt", b"12345")
     storage.write_bytes("step_000000000002/y.pt", b"1")
