@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
-from ft_checkpoint.errors import CheckpointCorruptError, SignatureError, StorageNotFoundError
+from ft_checkpoint.errors import CheckpointCorruptError, SignatureError, StorageNotFoundError, StoragePermissionError
 from ft_checkpoint.store import checksum as crc
 from ft_checkpoint.store.jsonfile import is_int
 from ft_checkpoint.store.storage import Storage
@@ -287,7 +287,11 @@ def list_steps(storage: Storage) -> dict[int, bool]:
             log.warning("ignoring %s: named like a step directory but it is a %s", storage.url_of(name),
                         "symbolic link or special file" if entry.kind == "other" else "file")
             continue
-        steps[step] = MANIFEST in storage.sizes(name)
+        try:
+            steps[step] = MANIFEST in storage.sizes(name)
+        except StoragePermissionError as e:  # planted by another user of a shared directory, say
+            _warn_once(f"ignoring {storage.url_of(name)}: it cannot be read by this user, so it is none of this run's "
+                       f"steps ({e})")
     return steps
 
 
@@ -385,6 +389,8 @@ class ManifestReader:
             return self.storage.read_control_once(rel, parse, max_bytes=MAX_MANIFEST_BYTES, parsed=self._files)
         except StorageNotFoundError:
             return "manifest.json is missing"
+        except StoragePermissionError as e:
+            return f"manifest.json cannot be read by this user ({e})"
         except CheckpointCorruptError as e:
             return str(e)
 
@@ -560,7 +566,11 @@ def delete_step(storage: Storage, step: int, *, before_write: bool = False) -> b
     swapped in for the directory after it was listed (see ``Storage.delete_directory``); a subdirectory
     (never ours) is left alone. ``before_write`` (a save about to write this step): a symbolic link planted in
     the step directory's place is removed itself, so that the save never writes through it."""
-    return storage.delete_directory(step_dir(step), first=MANIFEST, unlink_link=before_write)
+    try:
+        return storage.delete_directory(step_dir(step), first=MANIFEST, unlink_link=before_write)
+    except StoragePermissionError as e:  # another user's, planted in a shared directory, say
+        _warn_once(f"left {storage.url_of(step_dir(step))} in place: this user cannot delete it ({e})")
+        return False
 
 
 def quarantine(storage: Storage, steps: Iterable[int]) -> None:
@@ -573,5 +583,5 @@ def quarantine(storage: Storage, steps: Iterable[int]) -> None:
             storage.rename(rel, rel + SKIPPED_SUFFIX)
         except StorageNotFoundError:
             continue
-        except CheckpointCorruptError as e:
+        except (CheckpointCorruptError, StoragePermissionError) as e:
             log.warning("left %s as it is: %s", storage.url_of(rel), e)

@@ -12,6 +12,7 @@ import os
 import resource
 import shutil
 import subprocess
+import sys
 import threading
 import time
 
@@ -202,6 +203,48 @@ def test_a_manifest_that_is_no_small_regular_file_is_skipped_by_ls_verify_inspec
     with within_guard(CheckpointManager, url) as ckpt:
         assert within_guard(ckpt.resume, make(seed=9)) == 1
     assert reason in next(r.getMessage() for r in caplog.records if "skipping step 2" in r.getMessage())
+
+
+UNPRIVILEGED = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--inh-caps", "-all"]
+"""Runs a command as this user without the capabilities that let root read and write what it has no permission to
+(as any other user runs)."""
+
+RESUME_SAVE_LS = """
+import sys, torch
+from ft_checkpoint import CheckpointManager
+from ft_checkpoint.tools.cli import main
+from tests.helpers.toy import make
+with CheckpointManager(sys.argv[1], interval=1, keep_last=1) as ckpt:
+    print("resumed", ckpt.resume(make(seed=9)), flush=True)
+    ckpt.save(4, make(), block=True)
+print("ls", main(["ls", sys.argv[1]]), flush=True)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
+@pytest.mark.parametrize("unreadable", ["step directory", "manifest"])
+def test_a_step_this_user_cannot_read_is_ignored_not_fatal(tmp_path, unreadable):
+    """Whoever can write a shared checkpoint directory can plant a step, or a manifest, that the job's user cannot
+    read (mode 000): its permission error stopped every start and ``ls``. Such a step is not one of the run's: it
+    is ignored (a warning), never read, and retention leaves it alone."""
+    url = str(tmp_path / "ckpt")
+    two_saved_steps(url)
+    planted = os.path.join(url, layout.step_dir(3))
+    os.mkdir(planted)
+    if unreadable == "manifest":
+        with open(os.path.join(planted, layout.MANIFEST), "w") as f:
+            f.write("{}")
+        os.chmod(os.path.join(planted, layout.MANIFEST), 0)
+        os.chmod(planted, 0o555)  # as another user's: nothing in it can be deleted
+    else:
+        os.chmod(planted, 0)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([*UNPRIVILEGED, sys.executable, "-c", RESUME_SAVE_LS, url], capture_output=True, text=True,
+                          cwd=repo, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "resumed 2" in done.stdout and "ls 0" in done.stdout, done.stdout
+    assert "cannot be read by this user" in done.stderr, done.stderr[-2000:]
+    assert os.path.isdir(planted)
 
 
 def test_a_control_file_is_never_read_through_a_step_directory_swapped_for_a_link(tmp_path):
