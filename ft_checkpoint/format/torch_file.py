@@ -27,14 +27,15 @@ import torch
 from ft_checkpoint.errors import CheckpointCorruptError
 
 
-def load(data: bytes, name: str, *, safe_globals: Iterable[Any] = ()) -> Any:
-    """``torch.load(weights_only=True)`` of ``data`` (``safe_globals``: classes allowed besides torch's own), once
-    :func:`check_stored` passed; CheckpointCorruptError naming ``name`` for whatever cannot be loaded safely."""
+def load(data: bytes, name: str, *, safe_globals: Iterable[Any] = (), map_location: str | None = None) -> Any:
+    """``torch.load(weights_only=True)`` of ``data`` (``safe_globals``: classes allowed besides torch's own;
+    ``map_location`` as torch's), once :func:`check_stored` passed; CheckpointCorruptError naming ``name`` for
+    whatever cannot be loaded safely."""
     check_stored(data, name)
     allowed = torch.serialization.safe_globals(list(safe_globals)) if safe_globals else contextlib.nullcontext()
     try:
         with allowed:
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     except Exception as e:  # a forged or damaged file; nothing in it ran
         raise CheckpointCorruptError(f"{name}: cannot be loaded safely ({type(e).__name__}: {_why(e)})") from e
 

@@ -368,7 +368,7 @@ def _read(files: StepFiles, name: str) -> bytes:
 def _decode(name: str, data: bytes) -> Any:
     """A DeepSpeed file's contents: ``torch.load(weights_only=True)`` with DeepSpeed's classes allowlisted, once
     the file checked as what ``torch.save`` writes (see ``torch_file``)."""
-    return torch_file.load(data, name, safe_globals=internals.safe_globals())
+    return torch_file.load(data, name, safe_globals=internals.safe_globals(), map_location="cpu")
 
 
 def _read_all(files: StepFiles, names: list[str]) -> dict[str, Any]:

@@ -363,12 +363,12 @@ def _unsafe_path(fast_dirpath: str) -> str | None:
     way, or what it holds; else why, and what to do."""
     for here in _folders_to(fast_dirpath):
         info = os.lstat(here)
+        where = "in it" if here == fast_dirpath else f"below it, in {fast_dirpath}"
         if stat.S_ISLNK(info.st_mode):
             return f"{here} became a symbolic link while this job started. HINT: {_OWN_FOLDER}"
         if info.st_uid not in (os.geteuid(), 0):
-            return f"{here} belongs to {_user(info.st_uid)}, who can replace this run's folder in it. HINT: {_OWN_FOLDER}"
+            return f"{here} belongs to {_user(info.st_uid)}, who can replace this run's folder {where}. HINT: {_OWN_FOLDER}"
         if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
-            where = "in it" if here == fast_dirpath else f"below it, in {fast_dirpath}"
             return (f"{here} can be written by other users (mode {stat.filemode(info.st_mode)}) and has no sticky "
                     f"bit (as /dev/shm has): any of them can replace this run's folder {where}. HINT: chmod +t or "
                     f"go-w {here}, or {_OWN_FOLDER}")
