@@ -322,10 +322,10 @@ def _normalize_interval(field: str, value: Any) -> int | datetime.timedelta | st
         if text.isascii() and text.isdigit():
             return _check_int(field, int(text) if len(text) <= 13 else math.inf, minimum=1)
     if _finite_number(value):  # 100.0, "100.0", a YAML 1e3
-        seconds = format(float(value), "f").rstrip("0").rstrip(".")
+        plain = format(float(value), "f").rstrip("0").rstrip(".")
         raise ConfigError(f"{field}={short(value)} is invalid: a bare fractional number could mean steps or seconds "
                           f"(an int is a number of steps). HINT: write an int for every N steps, or "
-                          f"'{seconds}s', '30m' or a timedelta for a time")
+                          f"'{plain}s', '30m' or a timedelta for a time")
     try:
         seconds = parse_duration(value)
     except ValueError:
