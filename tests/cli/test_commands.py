@@ -198,8 +198,8 @@ def test_inspect_never_unpickles_anything_but_checkpoint_metadata(tmp_path, payl
     evil = pickle.dumps(_Payload(marker)) if payload == "reduce" else dotted_payload(marker)
     with open(step_file(url, 5, ".metadata"), "wb") as f:
         f.write(evil)
-    bad = cli("inspect", url, "--step", 5)  # the checksum no longer matches: refused before reading
-    assert bad.returncode == 2 and "does not match its checksum" in bad.stderr
+    bad = cli("inspect", url, "--step", 5)  # its size and checksum no longer match: refused before reading
+    assert bad.returncode == 2 and "the manifest says" in bad.stderr and "refusing to read it" in bad.stderr
     replace_legacy_file(url, 5, ".metadata", evil)  # a forged manifest too: the allowlist still refuses
     forged = cli("inspect", url, "--step", 5)
     assert forged.returncode == 2 and "refusing to load it" in forged.stderr and "Traceback" not in forged.stderr
