@@ -115,6 +115,18 @@ SPARSE_RATIO = 64
 """A step's file of at least SPARSE_MIN_BYTES with under 1/SPARSE_RATIO of them stored is refused as sparse."""
 
 
+def size_changed(url: str, found: str, size: int) -> CheckpointCorruptError:
+    """The error for a step's file found at another size (``found``: ``"12"``, ``"more than 13"``) than the ``size`` its
+    manifest lists: replaced since the listing was read, and refused before it is read.
+
+    Example:
+        >>> print(size_changed("step_000000000010/metadata.json", "12", 13))
+        step_000000000010/metadata.json: has 12 bytes, the manifest says 13 (changed since it was listed); refusing to read it
+    """
+    return CheckpointCorruptError(f"{url}: has {found} bytes, the manifest says {size} (changed since it was listed); "
+                                  "refusing to read it")
+
+
 def refuse_changed_or_sparse(info: os.stat_result, size: int, url: str) -> None:
     """CheckpointCorruptError unless ``info`` (``fstat`` of a step's file as opened for reading) shows the ``size``
     its manifest lists, and, from 64 MiB, at least 1/64 of it stored: a sparse file's holes read as zeros, which
@@ -133,8 +145,7 @@ def refuse_changed_or_sparse(info: os.stat_result, size: int, url: str) -> None:
         metadata.json: listed at 1073741824 bytes, of which 0 are st
     """
     if info.st_size != size:
-        raise CheckpointCorruptError(f"{url}: has {info.st_size} bytes, the manifest says {size} (changed since it "
-                                     "was listed); refusing to read it")
+        raise size_changed(url, str(info.st_size), size)
     stored = getattr(info, "st_blocks", None)  # not on every OS
     if stored is not None and size >= SPARSE_MIN_BYTES and stored * 512 * SPARSE_RATIO < size:
         raise CheckpointCorruptError(
@@ -643,9 +654,7 @@ class Storage:
         else:
             data = self._call("read", rel, self.fs.cat_file, self.path(rel), start=0, end=size + 1)  # never more
         if len(data) != size:
-            raise CheckpointCorruptError(f"{self.url_of(rel)}: has {'more than ' if len(data) > size else ''}"
-                                         f"{min(len(data), size)} bytes, the manifest says {size} (changed since it "
-                                         "was listed); refusing to read it")
+            raise size_changed(self.url_of(rel), f"more than {size}" if len(data) > size else str(len(data)), size)
         return data
 
     def _read_local(self, rel: str, size: int | None) -> bytes:
