@@ -37,7 +37,7 @@ from ft_checkpoint.policies.cost import CostMeter
 from ft_checkpoint.policies.interval import describe_policy, policy_from_interval, policy_metrics
 from ft_checkpoint.policies.policy import OnPreemption, SaveContext, SavePolicy, find_policy
 from ft_checkpoint.run.dist import Groups, peer_lost, short_error
-from ft_checkpoint.run.journal import Journal, attempt_summaries, started_before
+from ft_checkpoint.run.journal import Journal, attempt_summaries, first_attempt, new_attempt_id, started_before
 from ft_checkpoint.run.lease import Lease
 from ft_checkpoint.run.preemption import PreemptionWatcher
 from ft_checkpoint.run.slurm import SlurmJob, requeue
@@ -105,6 +105,7 @@ class CheckpointManager:
         """Signs every manifest this job commits and refuses unsigned steps at resume (None: no ``signing_key``)."""
         self.groups = Groups.create()
         self.groups.on_rank0(self.storage.ensure_root)
+        attempt = new_attempt_id()
         adaptive = dict(world_size=self.groups.world_size, mtbf=c.mtbf, gpu_failure_rate=c.gpu_failure_rate,
                         min_interval=c.min_interval, max_interval=c.max_interval)
         self.policy = policy or policy_from_interval(c.interval, **adaptive)
@@ -114,7 +115,8 @@ class CheckpointManager:
         if c.fast_dirpath is not None or self.groups.distributed:  # collective: every rank checks the setting alike
             from ft_checkpoint.tiers.fast_tier import create_fast_tier
 
-            self.fast = create_fast_tier(c, self.storage.url, self.groups, **adaptive)
+            self.fast = create_fast_tier(c, self.storage.url, self.groups, **adaptive,
+                                         lineage=lambda: first_attempt(self.storage) or attempt)
         self.tiers = multilevel_for(c.interval, c.fast_interval, self.fast, **adaptive) if policy is None else None
         """Both tiers' adaptive intervals from one plan (both ``"adaptive"``, with a fast tier), or None."""
         if self.tiers is not None and self.fast is not None:
@@ -122,7 +124,8 @@ class CheckpointManager:
             self.fast.policy, self.fast.adaptive = self.tiers.fast, None
         if self.fast is not None:
             self.fast.on_commit, self.fast.signer = self._fast_committed, self.signer
-        self.journal = Journal(self.storage, enabled=self.rank == 0, progress_every=parse_duration(c.progress_interval))
+        self.journal = Journal(self.storage, attempt=attempt, enabled=self.rank == 0,
+                               progress_every=parse_duration(c.progress_interval))
         self.lease = Lease(self.storage, attempt=self.journal.attempt)
         self._listing: layout.Listing | None = self.groups.on_rank0(lambda: self._acquire_and_list(c.force_takeover))
         """The steps as this start listed them (rank 0's, on every rank): the first ``resume`` takes its candidates

@@ -261,6 +261,21 @@ def started_before(storage: Storage, *, besides: str | None = None) -> bool:
     return any(_ATTEMPT_RE.match(name) and name != besides for name in storage.listdir(JOURNAL_DIR))
 
 
+def first_attempt(storage: Storage) -> str | None:
+    """The oldest attempt the journal in ``storage`` records (None: none): it names this incarnation of the directory,
+    since emptying it (``rm -rf``) removes it and the next start is a new oldest one. One listing; nothing is read.
+
+    Example:
+        >>> from ft_checkpoint.store.storage import Storage
+        >>> s = Storage("memory://doc/first")
+        >>> for attempt in ("20261129T000000.000000Z-abc123", "20261128T000000.000000Z-def456"):
+        ...     Journal(s, attempt=attempt).record("attempt_start")
+        >>> first_attempt(s)
+        '20261128T000000.000000Z-def456'
+    """
+    return min((name for name in storage.listdir(JOURNAL_DIR) if _ATTEMPT_RE.match(name)), default=None)
+
+
 def parse_event(data: bytes, *, attempt: str, now: float | None = None) -> dict[str, Any]:
     """One journal event of ``attempt``, strictly typed; ValueError naming what is wrong with it.
 

@@ -80,10 +80,12 @@ class FastSave:
     """Whether the same save writes the durable tier too (then the durable save's commit measures its cost)."""
 
 
-def create_fast_tier(config: CheckpointConfig, durable_url: str, groups: Groups, **adaptive: Any) -> FastTier | None:
+def create_fast_tier(config: CheckpointConfig, durable_url: str, groups: Groups, *, lineage: Callable[[], str],
+                     **adaptive: Any) -> FastTier | None:
     """The manager's fast tier, or None without ``fast_dirpath`` or where a node's folder for this run is not this
     user's own (a warning says why: see ``FastFolder.claim``); collective when distributed (every rank must configure
-    it alike). ``adaptive``: the adaptive interval's options, for ``fast_interval="adaptive"``."""
+    it alike). ``lineage``: what names the durable directory's incarnation (see ``run_key``), called on rank 0 only
+    where a fast tier is configured. ``adaptive``: the adaptive interval's options, for ``fast_interval="adaptive"``."""
     on = [config.fast_dirpath is not None] * groups.world_size
     if groups.distributed:
         on = groups.all_gather(config.fast_dirpath is not None)
@@ -93,7 +95,7 @@ def create_fast_tier(config: CheckpointConfig, durable_url: str, groups: Groups,
     if not all(on):
         return None
     assert config.fast_dirpath is not None
-    folder = FastFolder(config.fast_dirpath, run_key(durable_url, job_id()))
+    folder = FastFolder(config.fast_dirpath, run_key(durable_url, job_id(), groups.on_rank0(lineage)))
     problems = sorted({p for p in groups.all_gather(folder.claim()) if p})
     if problems:  # another user may have prepared it: nothing in it is read, written or deleted
         folder.release()

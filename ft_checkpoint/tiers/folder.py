@@ -3,7 +3,8 @@
 ::
 
     <fast_dirpath>/
-      run-3f9c2a1b7d004e11/          one run: its key hashes the durable dirpath and the launcher's run id
+      run-3f9c2a1b7d004e11/          one run: its key hashes the durable dirpath, the launcher's run id and
+                                     the oldest attempt of its journal (see ``run_key``)
         owner.json                   the run's durable dirpath, host and the pids of its ranks on this node
         rank_00002/                  rank 2's files: a single-process checkpoint directory (see ``layout``)
           committed.json             the newest step committed for the whole job (written once every rank of
@@ -26,7 +27,7 @@ in its place, would make the job write into, then delete, whatever directory of 
 
 Example:
     >>> import tempfile
-    >>> folder = FastFolder(tempfile.mkdtemp(), run_key("gs://b/run", "TORCHELASTIC_RUN_ID=job1"))
+    >>> folder = FastFolder(tempfile.mkdtemp(), run_key("gs://b/run", "TORCHELASTIC_RUN_ID=job1", "a"))
     >>> folder.commit(3, step=120, world_size=4, save="a1b2")
     >>> folder.committed(3)
     Mark(step=120, world_size=4, save='a1b2')
@@ -68,14 +69,19 @@ _RUN_RE = re.compile(r"run-[0-9a-f]{16}", re.ASCII)
 _RANK_RE = re.compile(r"rank_([0-9]{5})", re.ASCII)
 
 
-def run_key(durable_url: str, job: str | None) -> str:
-    """The folder name of one run: a hash of the durable dirpath and the launcher's run id (``lease.job_id``).
+def run_key(durable_url: str, job: str | None, lineage: str) -> str:
+    """The folder name of one run: a hash of the durable dirpath, the launcher's run id (``lease.job_id``) and the
+    oldest attempt the durable directory's journal records (``journal.first_attempt``; this start's own attempt in
+    a new or emptied directory): a run started over in a directory emptied with ``rm -rf`` has another key, so the
+    parts of the deleted run, on a node away when it started, are another run's.
 
     Example:
-        >>> run_key("gs://b/run", "SLURM_JOB_ID=7") == run_key("gs://b/run", "SLURM_JOB_ID=8")
+        >>> run_key("gs://b/run", "SLURM_JOB_ID=7", "a") == run_key("gs://b/run", "SLURM_JOB_ID=8", "a")
+        False
+        >>> run_key("gs://b/run", None, "20261128T000000.000000Z-def456") == run_key("gs://b/run", None, "b")
         False
     """
-    return "run-" + hashlib.sha256(f"{durable_url}\n{job or ''}".encode()).hexdigest()[:16]
+    return "run-" + hashlib.sha256(f"{durable_url}\n{job or ''}\n{lineage}".encode()).hexdigest()[:16]
 
 
 def rank_dir(rank: int) -> str:

@@ -27,7 +27,7 @@ from ft_checkpoint.config import CheckpointConfig
 from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, StorageError
 from ft_checkpoint.format import layout
 from ft_checkpoint.run.dist import Groups
-from ft_checkpoint.run.journal import read_journal
+from ft_checkpoint.run.journal import first_attempt, read_journal
 from ft_checkpoint.run.lease import job_id
 from ft_checkpoint.save.engine import CheckpointEngine
 from ft_checkpoint.store.storage import Storage
@@ -114,21 +114,41 @@ def test_a_durable_step_newer_than_the_fast_tier_wins(tmp_path):
     ckpt.close()
 
 
-def test_a_new_or_emptied_durable_directory_never_resumes_a_deleted_runs_fast_tier(tmp_path, caplog):
+def own_key(url: str) -> str:
+    """The run key a job with the durable directory ``url`` uses (once its journal records a start)."""
+    return run_key(os.path.abspath(url), job_id(), first_attempt(Storage(url)))
+
+
+def test_a_new_or_emptied_durable_directory_never_resumes_a_deleted_runs_fast_tier(tmp_path):
     """``rm -rf`` of the checkpoint directory after a crash, to start over: the fast tier (same dirpath, no launcher
     run id, so the same run key) still held step 6, and the new run resumed it as if nothing had been deleted."""
     url, fast = str(tmp_path / "ckpt"), str(tmp_path / "fast")
     run(url, fast, 6)
+    deleted = FastFolder(fast, own_key(url))
     shutil.rmtree(url)
-    with caplog.at_level(logging.WARNING, logger="ft_checkpoint"):
-        step, _, ckpt = resumes(url, fast)
+    step, _, ckpt = resumes(url, fast)
     assert step is None, "a fresh start"
-    assert "no step and no journal of an earlier start" in caplog.text
-    assert runs_in(fast)[0].held_ranks() == [], "the deleted run's parts are gone: no later resume takes them"
+    assert FastFolder(fast, own_key(url)).root != deleted.root, "the emptied directory's run has a key of its own"
+    assert deleted.committed(0) is not None, "its owner (this process) is alive: left alone, never read"
     ckpt.close(clean=False)
     step, _, again = resumes(url, fast)  # a crash of the new run before its first durable save: its journal
     assert step is None  # vouches for the directory, and its fast tier holds nothing yet
     again.close()
+
+
+def test_a_node_away_when_the_durable_directory_was_emptied_never_brings_the_deleted_run_back(tmp_path):
+    """The deleted run's parts are removed from the nodes present at the new run's first start only. A node away
+    then (here: the fast tier ``away``) came back after the new run's crash with the deleted run's step 12, newer
+    than the new run's durable step 5: the new run resumed the deleted run's weights, with no warning."""
+    url, away, other = str(tmp_path / "ckpt"), str(tmp_path / "away"), str(tmp_path / "other")
+    run(url, away, 12, interval=5, seed=0)  # the deleted run: durable 5 and 10, fast tier 12
+    shutil.rmtree(url)
+    _, kept = run(url, other, 8, interval=5, seed=7, keep=(5,))  # the new run, on another node: durable 5, fast 8
+    step, resumed, ckpt = resumes(url, away)  # restarted on the node that was away
+    assert step == 5, "the new run's own durable step, not the deleted run's fast-tier step 12"
+    assert_same(flat(resumed), kept[5])
+    assert resume_events(url)[-1]["tier"] == "durable"
+    ckpt.close()
 
 
 def test_a_crash_before_the_first_durable_save_resumes_from_the_fast_tier(tmp_path):
@@ -177,7 +197,7 @@ def test_another_runs_files_are_never_used_and_are_removed_once_its_processes_ar
     url, fast = str(tmp_path / "ckpt"), str(tmp_path / "fast")
     monkeypatch.setenv("FT_CHECKPOINT_RUN_ID", "first-job")
     run(url, fast, 3, interval=100)
-    first = FastFolder(fast, run_key(os.path.abspath(url), job_id()))
+    first = FastFolder(fast, own_key(url))
     assert first.committed(0) is not None
     monkeypatch.setenv("FT_CHECKPOINT_RUN_ID", "second-job")
     step, _, ckpt = resumes(url, fast)
@@ -213,7 +233,7 @@ def test_a_live_run_whose_pids_name_no_process_here_keeps_its_folder(tmp_path, m
                               cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "saved"
-        folder = FastFolder(fast, run_key(os.path.abspath(live), job_id()))
+        folder = FastFolder(fast, own_key(live))
         gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
         folder.write_owner(os.path.abspath(live), [int(gone.stdout)])  # its pids, as seen from this namespace
         monkeypatch.setenv("FT_CHECKPOINT_RUN_ID", "other-job")
@@ -266,7 +286,8 @@ def test_a_run_folder_another_user_prepared_is_refused_and_what_it_links_to_is_u
     run(other, str(tmp_path / "other-fast"), 3, interval=1, fast_interval=100)
     before = tree(other)
     assert layout.committed_steps(Storage(other)) == [1, 2, 3]
-    root = plant(fast, run_key(os.path.abspath(url), job_id()), other, how)
+    CheckpointManager(url, interval=2).close()  # the job's first start: its journal names the directory's run
+    root = plant(fast, own_key(url), other, how)
     state = make(seed=0)
     with caplog.at_level(logging.WARNING, logger="ft_checkpoint"):
         with CheckpointManager(url, interval=2, fast_dirpath=fast, fast_interval=1) as ckpt:
@@ -372,7 +393,7 @@ def test_another_runs_folder_that_others_can_write_is_never_deleted(tmp_path):
     """Deleting a folder others can write would race them (a rank folder swapped for a link between the check and
     the delete): another run's folder is removed only if it is this user's own."""
     fast = str(tmp_path / "fast")
-    other = FastFolder(fast, run_key("/elsewhere", "job-0"))
+    other = FastFolder(fast, run_key("/elsewhere", "job-0", "20261128T000000.000000Z-def456"))
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     other.write_owner("/elsewhere", [int(gone.stdout)])  # written by a process that has exited
     os.makedirs(other.storage(0).path())
