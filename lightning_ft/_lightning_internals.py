@@ -1,6 +1,6 @@
 """Every use of Lightning's (and torch's DataLoader's) private API in lightning_ft, in one place.
 
-Lightning offers no public way to do five things a fault-tolerant callback needs:
+Lightning offers no public way to do these things a fault-tolerant callback needs:
 
 1. build the full checkpoint dict of a run without writing it (``_checkpoint_connector.dump_checkpoint``);
 2. make ``fit()`` restore from a dict instead of a file (``_checkpoint_connector.resume_start`` and
@@ -15,7 +15,11 @@ Lightning offers no public way to do five things a fault-tolerant callback needs
    (``_CallbackConnector._configure_checkpoint_callbacks`` refuses any ``Checkpoint`` then);
 6. let a LightningCLI job that restarts start again: its ``SaveConfigCallback`` refuses an existing
    ``config.yaml`` in its ``setup``, which runs before this callback's (Lightning moves every ``Checkpoint``
-   to the end of the list); its public ``overwrite`` is set for that call (``SaveConfigCallback.setup``).
+   to the end of the list); its public ``overwrite`` is set for that call (``SaveConfigCallback.setup``);
+7. keep an epoch that a resume landed in as the uninterrupted run had it: Lightning calls no
+   ``on_train_epoch_start`` there (``StochasticWeightAveraging._initialized``), steps no ``ReduceLROnPlateau`` at
+   its end (``fit_loop._restarting``) and keeps no state of its epoch-level training metrics
+   (``epoch_loop._results``: a warning names them).
 
 Each use is a small function here. ``tests/lightning/test_lightning_internals.py`` exercises every one
 of them against the installed Lightning and fails, naming this module, when a release changes one.
@@ -156,8 +160,42 @@ def let_lightning_cli_restart(restarts: Callable[[pl.Trainer], bool]) -> None:
 
 # -- where in the epoch are we --------------------------------------------------------------------
 def batches_done_in_epoch(trainer: pl.Trainer) -> int:
-    """How many batches of the current epoch the loop has fetched (restored from a checkpoint, too)."""
+    """How many batches of the current epoch the loop has fetched (restored from a checkpoint, too); 0 once the
+    epoch has ended: its batch counter is reset only when the next epoch starts (a fit that stopped early
+    mid-epoch keeps the stopped epoch's count, while the epoch counter has moved on)."""
+    epoch = trainer.fit_loop.epoch_progress.current
+    if epoch.processed >= epoch.ready:
+        return 0
     return trainer.fit_loop.epoch_loop.batch_progress.current.ready
+
+
+def restart_epoch_start_callbacks(trainer: pl.Trainer) -> None:
+    """A resume inside an epoch: Lightning calls no ``on_train_epoch_start`` then (the interrupted process did).
+    ``StochasticWeightAveraging`` builds its SWALR scheduler in that hook, from the state it restored, and
+    without it the resumed epoch ran with no scheduler (its annealing step lost): call the hook of each one that
+    has not built it yet, as the uninterrupted run did at this epoch's start (``_initialized``)."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, StochasticWeightAveraging) and not callback._initialized:
+            callback.on_train_epoch_start(trainer, trainer.lightning_module)
+
+
+def epoch_metrics_of_batches(trainer: pl.Trainer) -> list[str]:
+    """The training metrics logged with ``on_epoch=True`` from the epoch's batches (not from ``on_train_epoch_end``):
+    Lightning aggregates them in ``fit_loop.epoch_loop._results``, which no checkpoint holds."""
+    results = trainer.fit_loop.epoch_loop._results
+    metas = [getattr(m, "meta", None) for m in results.values()]
+    return sorted({m.name for m in metas if m is not None and m.on_epoch and m.fx != "on_train_epoch_end"})
+
+
+def let_plateau_schedulers_step(trainer: pl.Trainer) -> None:
+    """At the end of the epoch a resume landed in: Lightning steps no ``ReduceLROnPlateau`` there while its fit loop
+    is ``restarting`` (its metrics may be missing after its own resume), and the uninterrupted run stepped it. Let
+    it step where every such scheduler's ``monitor`` is logged (``fit_loop._restarting``)."""
+    configs = [c for c in trainer.lr_scheduler_configs if c.reduce_on_plateau and c.interval == "epoch"]
+    if configs and trainer.fit_loop.restarting and all(c.monitor in trainer.callback_metrics for c in configs):
+        trainer.fit_loop._restarting = False
 
 
 def is_last_batch(trainer: pl.Trainer) -> bool:

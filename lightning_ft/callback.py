@@ -214,6 +214,8 @@ class FaultTolerantCheckpoint(Checkpoint):
         self._last_step: int | None = None
         self._pending = False
         self._undo_warning: Any = None
+        self._resumed_skip: int | None = None
+        """In the epoch a resume landed in (until its end): how many of its batches were done before it."""
         self._unreported: list[SaveStats] = []
         self._active = False
 
@@ -264,6 +266,15 @@ class FaultTolerantCheckpoint(Checkpoint):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         settle_snapshots()
+        if self._resumed_skip is not None:  # the end of the epoch a resume landed in (a Checkpoint: runs after the
+            skip, self._resumed_skip = self._resumed_skip, None  # module's own hook, before Lightning's schedulers)
+            internals.let_plateau_schedulers_step(trainer)
+            if skip and (names := internals.epoch_metrics_of_batches(trainer)) and trainer.is_global_zero:
+                log.warning("the epoch-level training metrics %s of epoch %d are aggregated over the batches since the "
+                            "resume only (Lightning keeps no state of them in a checkpoint; the first %d batches are "
+                            "left out): they differ from an uninterrupted run's, and what monitors them at this "
+                            "epoch's end (ReduceLROnPlateau, EarlyStopping, ModelCheckpoint) may decide otherwise. "
+                            "HINT: monitor a validation metric", ", ".join(names), trainer.current_epoch, skip)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.current_epoch > 0:  # this epoch's iterator is created right after this hook
@@ -385,6 +396,9 @@ class FaultTolerantCheckpoint(Checkpoint):
         self._epoch_start = start
         skip = internals.batches_done_in_epoch(trainer)
         messages.warn_world_size(trainer, resume["world_size"], skip)
+        self._resumed_skip = skip
+        if 0 < skip:
+            internals.restart_epoch_start_callbacks(trainer)
         if 0 < skip < trainer.num_training_batches and not internals.loaders_restore_themselves(trainer):
             loaders = internals.train_loaders(trainer)
             if start is not None and internals.replay_epoch(trainer, lambda: start.restore(loaders), skip):

@@ -1,0 +1,100 @@
+"""A Lightning job whose schedule depends on epoch-level hooks: ``ReduceLROnPlateau`` on ``val_loss``,
+``StochasticWeightAveraging``, or an ``EarlyStopping`` that stops in the middle of an epoch (see
+``test_epoch_hooks.py``).
+
+    python tests/lightning/epoch_hooks_script.py DIRPATH OUT --pattern plateau [--kill-at STEP] [--no-callback]
+
+Each training batch appends ``{"step", "epoch", "batch_idx", "lr", "x"}`` to ``OUT/batches.jsonl`` (a step trained
+again after a resume appends again); the end writes ``OUT/final.pt`` (weights, buffers, optimizer, schedulers). ``--kill-at STEP``
+SIGKILLs the job at the start of the batch after global step STEP, once the save in flight committed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import EarlyStopping, StochasticWeightAveraging
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_ft import FaultTolerantCheckpoint
+
+
+class Net(pl.LightningModule):
+    def __init__(self, plateau: bool) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 1))
+        self.plateau = plateau
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = nn.functional.mse_loss(self.net(batch[0]), batch[1])
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=0.05)
+        if not self.plateau:
+            return opt
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0, threshold=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": plateau, "monitor": "val_loss", "interval": "epoch"}}
+
+
+class Record(pl.Callback):
+    def __init__(self, args: argparse.Namespace, ft: FaultTolerantCheckpoint | None) -> None:
+        self.args, self.ft = args, ft
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
+        if trainer.global_step == self.args.kill_at and self.ft is not None and self.ft.manager is not None:
+            self.ft.manager.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+        row = {"step": trainer.global_step, "epoch": trainer.current_epoch, "batch_idx": i,
+               "lr": trainer.optimizers[0].param_groups[0]["lr"], "x": float(batch[0].sum())}
+        with open(os.path.join(self.args.out, "batches.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        torch.save({"model": pl_module.state_dict(), "optimizer": trainer.optimizers[0].state_dict(),
+                    "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+                    "step": trainer.global_step}, os.path.join(self.args.out, "final.pt"))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("dirpath")
+    p.add_argument("out")
+    p.add_argument("--pattern", choices=["plateau", "swa", "early_stop"], required=True)
+    p.add_argument("--kill-at", type=int, default=None)
+    p.add_argument("--no-callback", action="store_true")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    pl.seed_everything(0, verbose=False)
+    x = torch.randn(96, 8)
+    data = TensorDataset(x, x.sum(1, keepdim=True).sin())
+    train = DataLoader(data, batch_size=8, shuffle=True)  # 12 batches per epoch
+    val = DataLoader(data, batch_size=32)
+    callbacks: list[pl.Callback] = []
+    options: dict[str, Any] = {"max_epochs": 3}
+    if args.pattern == "swa":  # averaging from epoch 0, SWALR annealing over 2 epochs
+        callbacks.append(StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1, annealing_epochs=2))
+        options["max_epochs"] = 4
+    if args.pattern == "early_stop":  # validation every 5 batches; stops inside an epoch
+        callbacks.append(EarlyStopping(monitor="val_loss", patience=1, min_delta=0.01))
+        options.update(max_epochs=20, val_check_interval=5)
+    ft = None if args.no_callback else FaultTolerantCheckpoint(args.dirpath, interval=4, keep_last=20)
+    trainer = pl.Trainer(callbacks=[Record(args, ft), *callbacks, *([ft] if ft else [])], accelerator="cpu",
+                         devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, deterministic=True, enable_checkpointing=ft is not None, **options)
+    trainer.fit(Net(plateau=args.pattern == "plateau"), train, val)
+
+
+if __name__ == "__main__":
+    main()
