@@ -485,16 +485,18 @@ class CheckpointManager:
         fast, touched = None, False
         found_in_fast: str | None = None
         why: str | None = "no fast tier"
+        asked = False  # whether the fast tier was asked for a step (it holds this run's parts)
         if self.fast is not None and stands_alone(self._participants.split(state)[1]):
             if self._newest_committed is None and not self.groups.on_rank0(self._durable_has_history):
                 why = self.fast.forget(f"{self.storage.url} holds no step and no journal of an earlier start (new, or "
                                        "emptied): the fast tier's parts are a deleted run's")
             else:
                 fast, touched = self.fast.resume(load, durable_newest=self._newest_committed)
-                found_in_fast, why = self.fast.failure_class, self.fast.why
+                found_in_fast, why, asked = self.fast.failure_class, self.fast.why, True
         listing, self._listing = self._listing, None  # what this start listed serves its first resume only,
         listing = listing if self.last_save is None else None  # and only before this manager saved anything
-        found, source = (fast[:2], fast[2]) if fast is not None else self._resume_durable(load, touched, listing)
+        found, source = (fast[:2], fast[2]) if fast is not None else self._durable_or_newer_fast(load, touched, listing,
+                                                                                                asked=asked)
         if not (self._newest_committed is None or (found is not None and found[0].step >= self._newest_committed)):
             self._newest_committed = self.latest()  # fell back past the newest: it may be set aside now
         if self.signer is not None and self.rank == 0:
@@ -523,6 +525,28 @@ class CheckpointManager:
             log.debug("resuming from step %d (%s): %s", manifest.step, source, self.loaded)
         self._announce_start()
         return manifest.step
+
+    def _durable_or_newer_fast(self, load: Callable[[StepLoader, Any], Any], touched: bool,
+                               listing: layout.Listing | None, *, asked: bool) -> tuple[Any, str]:
+        """``(found, source)``: the durable tier's newest step that checks and loads (see :meth:`_resume_durable`).
+        Where that is not its newest (which failed), or none is, the fast tier's steps were ruled out as older than
+        that newest, and one newer than what was found is the newest step that checks: it is tried then (``asked``:
+        the fast tier holds this run's parts). A fast-tier load that fails after changing the state has the durable
+        step loaded again (or, none, raises CheckpointCorruptError)."""
+        try:
+            found, source, error = *self._resume_durable(load, touched, listing), None
+        except CheckpointCorruptError as e:  # no durable step loads, and one failed after changing the state
+            found, source, error = None, "", e
+        newest = self._newest_committed
+        if asked and self.fast is not None and newest is not None and (found is None or found[0].step < newest):
+            fast, fast_touched = self.fast.resume(load, durable_newest=found[0].step + 1 if found is not None else None)
+            if fast is not None:
+                return fast[:2], fast[2]
+            if fast_touched:  # the durable step again, or (none) an error: the state may be partly overwritten
+                return self._resume_durable(load, True, None)
+        if error is not None:
+            raise error
+        return found, source
 
     def _durable_age(self, fast: layout.Manifest, listing: layout.Listing | None) -> float:
         """How long the fast-tier step ``fast`` was saved after the durable tier's newest step (seconds; inf: none);

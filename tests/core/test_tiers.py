@@ -119,6 +119,34 @@ def own_key(url: str) -> str:
     return run_key(os.path.abspath(url), job_id(), first_attempt(Storage(url)))
 
 
+def flip_a_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 1]))
+
+
+@pytest.mark.parametrize("durable", ["an older step", "no step", "an older step, the fast one corrupt too"])
+def test_a_corrupt_newest_durable_step_falls_back_to_a_newer_fast_tier_step_first(tmp_path, durable):
+    """Durable steps 4 and 8, fast-tier step 6; step 8's data corrupt. The fast tier's 6 was ruled out as older than
+    the durable tier's newest (8), and the resume fell back to the durable 4 (or, with 4 corrupt too, to a fresh
+    start): two steps of work lost, though 6 was there and intact."""
+    url, fast = str(tmp_path / "ckpt"), str(tmp_path / "fast")
+    _, kept = run(url, fast, 8, interval=4, fast_interval=3, keep=(4, 6))
+    assert layout.committed_steps(Storage(url)) == [4, 8]
+    for step in (8, 4) if durable == "no step" else (8,):
+        flip_a_byte(os.path.join(url, layout.step_dir(step), "__0_0.distcp"))
+    if durable == "an older step, the fast one corrupt too":  # it fails while loaded: step 4 is loaded again
+        flip_a_byte(os.path.join(runs_in(fast)[0].storage(0).path(layout.step_dir(6)), "__0_0.distcp"))
+    step, resumed, ckpt = resumes(url, fast)
+    expected = 4 if durable.endswith("corrupt too") else 6
+    assert step == expected, "the newest step that checks and loads"
+    assert_same(flat(resumed), kept[expected])
+    assert resume_events(url)[-1]["tier"] == ("durable" if expected == 4 else "fast")
+    ckpt.close()
+
+
 def test_a_new_or_emptied_durable_directory_never_resumes_a_deleted_runs_fast_tier(tmp_path):
     """``rm -rf`` of the checkpoint directory after a crash, to start over: the fast tier (same dirpath, no launcher
     run id, so the same run key) still held step 6, and the new run resumed it as if nothing had been deleted."""
