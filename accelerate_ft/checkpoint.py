@@ -111,6 +111,9 @@ class FaultTolerantCheckpoint:
                  fast_interval: int | datetime.timedelta | str | None = None, fast_replicas: int | None = None,
                  node_id: str | None = None, **misspelled: Any) -> None:
         check_names(misspelled)
+        if isinstance(accelerator, (str, os.PathLike)):
+            raise ConfigError(f"FaultTolerantCheckpoint's first argument is the Accelerator; got {accelerator!r}. "
+                              f"HINT: FaultTolerantCheckpoint(accelerator, {os.fspath(accelerator)!r}, ...)")
         config = given(locals())
         if plugin is not None and config:
             raise ConfigError("pass either plugin= or dirpath/config arguments, not both. "

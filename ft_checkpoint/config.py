@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -192,6 +193,11 @@ class CheckpointConfig:
         if self.signing_key is not None and self.signing_key_file is not None:
             raise ConfigError("signing_key and signing_key_file are both set: give one (the values are not shown). "
                               "HINT: unset FT_CHECKPOINT_SIGNING_KEY or FT_CHECKPOINT_SIGNING_KEY_FILE")
+        if self.storage_options and self.dirpath is not None and "://" not in self.dirpath \
+                and not self.dirpath.startswith(("/", ".", "~")):  # 'bucket/run' with credentials: 's3://' forgotten
+            raise ConfigError(f"storage_options are given, but dirpath={self.dirpath!r} is a local path, which ignores "
+                              f"them. HINT: write the store's URL, e.g. 's3://{self.dirpath}' or 'gs://{self.dirpath}' "
+                              f"(or './{self.dirpath}' for a local folder)")
         if (self.min_interval is not None and self.max_interval is not None
                 and parse_duration(self.min_interval) > parse_duration(self.max_interval)):
             _bad("min_interval", self.min_interval, f"a duration no longer than max_interval={self.max_interval!r}")
@@ -285,6 +291,8 @@ def _bool(*, optional: bool = False) -> Callable[[str, Any], Any]:
 
 
 def _check_dirpath(field: str, value: Any) -> str | None:
+    if isinstance(value, os.PathLike):  # pathlib.Path
+        value = os.fspath(value)
     if value is not None and (not isinstance(value, str) or not value.strip() or "\x00" in value or len(value) > 4096):
         _bad(field, value, "a non-empty local path or fsspec URL such as 'gs://bucket/run' (at most 4096 characters)")
     if value is not None and set("*?[]") & set(value):
@@ -292,7 +300,41 @@ def _check_dirpath(field: str, value: Any) -> str | None:
                            "in 'runs/sweep[1]' would also match 'runs/sweep1'); e.g. 'runs/sweep-1'")
     if isinstance(value, str):
         refuse_missing_slash(field, value)
+        _refuse_careless_path(field, value)
     return value
+
+
+_UNEXPANDED = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}|(?:^|/)\$[A-Za-z_][A-Za-z0-9_]*")
+"""``${NAME}`` anywhere, ``$NAME`` at the start of a folder's name: a shell variable left unexpanded."""
+
+
+def _refuse_careless_path(field: str, value: str) -> None:
+    """ConfigError for a path that names another folder than its writer meant: spaces at an end, quotes left in
+    (``docker --env-file`` keeps them), an environment variable a YAML file or a Kubernetes env did not expand, or a
+    step directory of a run (a path ``ft-checkpoint ls`` prints), into which a job would write its own steps and
+    journal, so that the committed step no longer verifies.
+
+    Example:
+        >>> try:
+        ...     _refuse_careless_path("dirpath", "gs://b/run/step_000000000005")
+        ... except ConfigError as e:
+        ...     print(str(e).split(": a job")[0])
+        dirpath='gs://b/run/step_000000000005' is step 5 of the run in 'gs://b/run'
+    """
+    if value != value.strip():
+        _bad(field, value, f"a path without spaces at its start or end (they name another folder): {value.strip()!r}")
+    if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"":
+        _bad(field, value, f"a path without the quotes around it (left in by an env file, say): {value[1:-1]!r}")
+    if (variable := _UNEXPANDED.search(value)) is not None:
+        _bad(field, value, f"a path with {variable.group(0).lstrip('/')} expanded (it is not, where this value came from: a YAML "
+                           "file or a container's env); as written it names a folder of that name")
+    parts = value.rstrip("/").split("/")
+    for i, part in enumerate(parts):
+        if (step := layout.parse_step(part)) is not None:
+            run = "/".join(parts[:i]) or "/"
+            raise ConfigError(f"{field}={value!r} is {'step' if i == len(parts) - 1 else 'inside step'} {step} of the "
+                              f"run in {run!r}: a job there would write its steps and journal into that committed "
+                              f"step, which would then no longer verify. HINT: pass the run's directory, {run!r}")
 
 
 def _check_fast_dirpath(field: str, value: Any) -> str | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import operator
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -281,6 +282,8 @@ class CheckpointManager:
             ...     m.maybe_save(1, {"w": torch.zeros(2)}, per_rank={"batch": torch.ones(2)})
             True
         """
+        step = checked_step(step)
+        require_state_dict(state)
         self.note_step(step)
         self._offered = (step, state, {"epoch": epoch, "metadata": metadata, "per_rank": per_rank})
         if not self.agree_to_save(step):
@@ -327,6 +330,8 @@ class CheckpointManager:
             ConfigError: ``metadata`` nests deeper than a manifest may hold (32 levels).
         """
         self._check_open()
+        step = checked_step(step)
+        require_state_dict(state)
         self._check_step_is_new(step)
         if metadata is not None and not layout.nests_within(metadata, layout.MAX_METADATA_DEPTH):
             raise ConfigError(f"save(metadata=...) nests deeper than {layout.MAX_METADATA_DEPTH} levels, more than a "
@@ -478,6 +483,7 @@ class CheckpointManager:
         A step that fails anywhere is skipped with a warning and the previous one is tried (see ``resume``).
         """
         self._check_open()
+        require_state_dict(state)
         t0 = time.perf_counter()
         self.engine.phase("resuming", -1)
         load = lambda loader, opened: load_state(loader, opened, state, participants=self._participants,  # noqa: E731
@@ -701,3 +707,39 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this CheckpointManager is closed; create a new one")
+
+
+def require_state_dict(state: Any) -> None:
+    """ConfigError, naming what was passed, unless ``state`` is a dict (a model passed as it is, say).
+
+    Example:
+        >>> try:
+        ...     require_state_dict(object())
+        ... except ConfigError as e:
+        ...     print(str(e).split(". HINT")[0])
+        state must be a dict of tensors, dicts and objects with state_dict(); got object
+    """
+    if not isinstance(state, Mapping):
+        raise ConfigError(f"state must be a dict of tensors, dicts and objects with state_dict(); got "
+                          f"{type(state).__name__}. HINT: pass a dict, e.g. {{'model': model, 'optimizer': optimizer}}")
+
+
+def checked_step(step: Any) -> int:
+    """``step`` as an int (a NumPy or torch integer too); ConfigError, naming what was passed, if it is no integer
+    in [0, 10**12).
+
+    Example:
+        >>> import numpy
+        >>> checked_step(numpy.int64(7))
+        7
+    """
+    try:
+        if isinstance(step, bool):
+            raise TypeError
+        value = operator.index(step)
+    except TypeError:
+        raise ConfigError(f"step must be an int (the number of optimizer steps done); got {type(step).__name__} "
+                          f"{step!r}") from None
+    if not 0 <= value < layout.MAX_STEP:
+        raise ConfigError(f"step={value} is invalid: the number of optimizer steps done, in [0, 10**12)")
+    return value

@@ -213,7 +213,11 @@ def split_tree(tree: Any) -> tuple[dict[str, torch.Tensor], Any]:
 
     def walk(node: Any, path: Path) -> Any:
         if isinstance(node, torch.Tensor):
-            tensors[tensor_key(path)] = node
+            if (key := tensor_key(path)) in tensors:  # {"a/b": t, "a": {"b": u}}: one would load into the other
+                raise ConfigError(f"state has two tensors at the key {key!r} (a path's keys joined with '/'): one at "
+                                  f"{list(path)} and another whose keys join the same way. HINT: rename the key that "
+                                  "has a '/' in it")
+            tensors[key] = node
             return None
         if isinstance(node, Mapping):
             keys = [str(k) for k in node]

@@ -178,4 +178,16 @@ def parse_signal(name: str | int) -> signal.Signals:
                           "'SIGTERM', 'SIGUSR1', 'SIGUSR2'") from None
     if sig in (signal.SIGKILL, signal.SIGSTOP):
         raise ConfigError(f"preemption_signals: {sig.name} cannot be caught; use SIGTERM or SIGUSR1")
+    if sig.name in _NOT_A_NOTICE:
+        raise ConfigError(f"preemption_signals: {sig.name} {_NOT_A_NOTICE[sig.name]}, not a notice that the job will "
+                          "be stopped. HINT: use the signal the scheduler sends first, such as 'SIGTERM' or 'SIGUSR1'")
     return sig
+
+
+_NOT_A_NOTICE = {
+    **dict.fromkeys(("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGSYS", "SIGABRT"),
+                    "reports a fault in the process itself (taken as a notice, a crash would hang or exit cleanly)"),
+    **dict.fromkeys(("SIGCHLD", "SIGWINCH", "SIGURG", "SIGCONT", "SIGPIPE"),
+                    "is sent in the normal course of things (a child process ending, a terminal resized, ...)"),
+}
+"""Signals that mean something else than a preemption notice (a save and a clean exit), and what."""

@@ -186,7 +186,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         CheckpointConfig.from_env(dirpath=dirpath, **config)  # a bad value fails here, not at fit time
         internals.allow_without_lightning_checkpointing(FaultTolerantCheckpoint)
         internals.let_lightning_cli_restart(_restarts)
-        self.dirpath = dirpath
+        self.dirpath = os.fspath(dirpath) if isinstance(dirpath, os.PathLike) else dirpath  # a pathlib.Path too
         self.save_on_exception = save_on_exception
         self.drain_timeout = drain_timeout
         self.policy = policy

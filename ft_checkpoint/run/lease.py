@@ -313,6 +313,15 @@ class Lease:
             if self._lost is not None:
                 return
             now = "was removed" if not seen.exists else f"now holds {_describe(seen)}"
+            me, holder = self.owner, seen.record or {}
+            if holder.get("host") == me["host"] and holder.get("pid") == me["pid"]:
+                self._lost = (
+                    f"this manager lost the checkpoint lease of {self.storage.url}: another CheckpointManager in this "
+                    "process took the directory over (a second manager on the same dirpath: a notebook cell run "
+                    "again, say). This one stops saving and deleting there. HINT: close() the first manager (or make "
+                    "it in a 'with' block) before making another on the same dirpath")
+                log.warning("%s", self._lost)
+                return
             self._lost = (
                 f"this job lost the checkpoint lease of {self.storage.url}: {LEASE} {now}. Another job took the "
                 "directory over, most likely because this job's heartbeat was not refreshed for "

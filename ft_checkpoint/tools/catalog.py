@@ -28,10 +28,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ft_checkpoint.errors import CheckpointCorruptError, StorageNotFoundError
+from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, StorageNotFoundError
 from ft_checkpoint.format import layout, tensor_metadata
 from ft_checkpoint.format.layout import OnBytes, StepCheck
 from ft_checkpoint.format.signing import Signer
@@ -75,11 +76,27 @@ class Listing:
 
 
 def require_directory(storage: Storage) -> None:
-    """Raise StorageNotFoundError, saying what to check, when the directory does not exist."""
+    """Raise StorageNotFoundError, saying what to check, when the directory does not exist; ConfigError when it is a
+    step directory of a run (a path ``ls`` prints) or, on local disk, a file.
+
+    Example:
+        >>> try:
+        ...     require_directory(Storage("memory://doc/run/step_000000000005"))
+        ... except ConfigError as e:
+        ...     print(str(e).split(". HINT")[0])
+        memory://doc/run/step_000000000005 is step 5 of the run in memory://doc/run, not a run's checkpoint directory
+    """
+    run, _, name = storage.url.rstrip("/").rpartition("/")
+    if (step := layout.parse_step(name)) is not None:
+        raise ConfigError(f"{storage.url} is step {step} of the run in {run}, not a run's checkpoint directory. HINT: "
+                          f"pass {run} (and --step {step} where the command takes one)")
     if not storage.exists(""):
         raise StorageNotFoundError(
             f"{storage.url} does not exist. HINT: check the path or URL, and for a bucket the storage "
             "options (FT_CHECKPOINT_STORAGE_OPTIONS, a JSON object)")
+    if storage.is_local and not os.path.isdir(storage.path("")):
+        raise ConfigError(f"{storage.url} is a file, not a checkpoint directory. HINT: pass the directory a job's "
+                          "dirpath names")
 
 
 def describe_step(storage: Storage, step: int, *, signer: Signer | None = None,

@@ -325,6 +325,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from ft_checkpoint.tools.catalog import UNVERIFIED, fast_tier_steps, list_checkpoints
 
     storage = open_storage(args.dir)
+    if args.fast and not os.path.isdir(args.fast):
+        raise UsageError(f"--fast {args.fast}: {'not a directory' if os.path.exists(args.fast) else 'no such directory'}. "
+                         "HINT: pass the job's fast_dirpath on this node (such as /dev/shm/ft)")
     signer = open_signer(args, storage)
     listing = list_checkpoints(storage, signer=signer)
     fast = fast_tier_steps(listing.url, args.fast) if args.fast else {}

@@ -402,3 +402,11 @@ def test_a_resume_loads_a_fresh_adams_state_without_stepping_it(make_accelerator
     train(ft, acc, model, opt, loader)  # and the training goes on from it
     ft.close()
     assert int(opt.optimizer.state_dict()["state"][0]["step"]) == 8
+
+
+def test_a_path_given_where_the_accelerator_goes_is_named(tmp_path):
+    """``FaultTolerantCheckpoint("/path")`` (the accelerator forgotten) raised "'str' object has no attribute
+    'distributed_type'" from deep inside."""
+    with pytest.raises(ConfigError, match=r"first argument is the Accelerator; got '.*run'\. HINT: "
+                                          r"FaultTolerantCheckpoint\(accelerator, '.*run', \.\.\.\)"):
+        FaultTolerantCheckpoint(str(tmp_path / "run"))

@@ -116,3 +116,32 @@ def test_other_commands_on_a_manifest_of_wrong_types_never_print_a_traceback(wro
         assert_one_line_error(proc, args)
     else:
         assert proc.returncode in (0, 1), (proc.returncode, proc.stderr)
+
+
+@pytest.mark.parametrize("command", ["ls", "verify", "report", "gc --keep 1"])
+def test_a_step_directory_or_a_file_given_as_dir_is_named_for_what_it_is(tmp_path, command):
+    """``ls`` of a step directory (a path ``ls`` prints) said "0 step directories; a resume would start fresh"; of a
+    file the same, with exit code 0, and ``report`` raised a NotADirectoryError."""
+    run = tmp_path / "run"
+    with CheckpointManager(str(run), interval=1, announce=False) as ckpt:
+        ckpt.save(5, make(), block=True)
+    (tmp_path / "notes.txt").write_text("x")
+    files = sorted(os.listdir(run / "step_000000000005"))
+    for target, expected in ((run / "step_000000000005", f"is step 5 of the run in {run}, not a run's checkpoint "
+                                                         f"directory. HINT: pass {run} (and --step 5"),
+                             (tmp_path / "notes.txt", "is a file, not a checkpoint directory. HINT:")):
+        proc = cli(*command.split()[:1], target, *command.split()[1:])
+        assert proc.returncode == 2 and expected in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert sorted(os.listdir(run / "step_000000000005")) == files
+
+
+@pytest.mark.parametrize(("fast", "expected"), [("notes.txt", "not a directory"), ("absent", "no such directory")])
+def test_ls_fast_names_a_path_that_is_no_fast_tier_folder(tmp_path, fast, expected):
+    """``--fast`` given a file failed with "unexpected NotADirectoryError (please report it)"; given a path that does
+    not exist, ``ls`` silently showed no fast-tier step."""
+    run = tmp_path / "run"
+    with CheckpointManager(str(run), interval=1, announce=False) as ckpt:
+        ckpt.save(1, make(), block=True)
+    (tmp_path / "notes.txt").write_text("x")
+    proc = cli("ls", run, "--fast", tmp_path / fast)
+    assert proc.returncode == 2 and f"{expected}. HINT: pass the job's fast_dirpath" in proc.stderr, proc.stderr

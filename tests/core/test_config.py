@@ -5,10 +5,12 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import re
 from decimal import Decimal
 from fractions import Fraction
 
 import pytest
+import torch
 
 from ft_checkpoint import CheckpointConfig, CheckpointManager
 from ft_checkpoint.config import ENV_CONFIG_FILE, ENV_PREFIX, FIELDS
@@ -339,3 +341,68 @@ def test_storage_options_need_string_keys(options):
 def test_storage_options_may_hold_objects_such_as_credentials():
     credentials = object()  # gcsfs takes a google.auth Credentials object as token
     assert CheckpointConfig(storage_options={"token": credentials}).storage_options["token"] is credentials
+
+
+@pytest.mark.parametrize(("dirpath", "expected"), [
+    ("{run}/step_000000000005", "is step 5 of the run in '{run}'"),
+    ("{run}/step_000000000005/again", "is inside step 5 of the run in '{run}'"),
+])
+def test_a_dirpath_in_a_committed_step_is_refused_and_the_step_left_intact(tmp_path, dirpath, expected):
+    """A path ``ft-checkpoint ls`` printed, pasted as dirpath: the new job wrote its journal and steps into the
+    committed step, which no longer verified, and a restart of the run skipped it (its only step: all lost)."""
+    run = str(tmp_path / "run")
+    with CheckpointManager(run, interval=1, keep_last=1) as ckpt:
+        ckpt.save(5, {"w": torch.ones(3)}, block=True)
+    with pytest.raises(ConfigError, match=re.escape(expected.format(run=run))) as e:
+        CheckpointManager(dirpath.format(run=run), interval=1)
+    assert f"HINT: pass the run's directory, '{run}'" in str(e.value)
+    assert sorted(os.listdir(os.path.join(run, "step_000000000005"))) == \
+        ["__0_0.distcp", "manifest.json", "metadata.json", "rank_00000.pt"], "nothing is written into the step"
+    state = {"w": torch.zeros(3)}
+    with CheckpointManager(run, interval=1) as again:
+        assert again.resume(state) == 5 and torch.equal(state["w"], torch.ones(3))
+
+
+@pytest.mark.parametrize(("dirpath", "expected"), [
+    (" /tmp/run", "without spaces at its start or end"), ("/tmp/run ", "without spaces at its start or end"),
+    ('"/tmp/run"', "without the quotes around it"), ("'/tmp/run'", "without the quotes around it"),
+    ("${SCRATCH}/run", "with ${SCRATCH} expanded"), ("$HOME/run", "with $HOME expanded"),
+    ("/scratch/$USER/run", "with $USER expanded"),
+])
+def test_a_dirpath_that_names_another_folder_than_meant_is_refused(tmp_path, monkeypatch, dirpath, expected):
+    """Quotes an env file left in, a variable a YAML file or a container's env did not expand, a space: each made
+    the job save into a folder of that literal name, under the working directory."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FT_CHECKPOINT_DIRPATH", dirpath)
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        CheckpointManager(interval=1)
+    assert os.listdir(tmp_path) == [], "nothing is made on the local disk"
+
+
+@pytest.mark.parametrize("dirpath", ["/data/price$usd", "/data/run$1", "~/runs/x"])
+def test_paths_with_a_dollar_inside_a_name_are_kept(dirpath):
+    assert CheckpointConfig(dirpath=dirpath).dirpath == dirpath
+
+
+def test_storage_options_with_a_local_dirpath_are_refused_not_ignored(tmp_path, monkeypatch):
+    """``my-bucket/run-7`` with S3 credentials (``s3://`` forgotten) saved to ``./my-bucket/run-7`` on the node's disk
+    and ignored the options."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"dirpath='my-bucket/run-7' is a local path, which ignores them. HINT: "
+                                          r"write the store's URL, e\.g\. 's3://my-bucket/run-7'"):
+        CheckpointManager("my-bucket/run-7", storage_options={"key": "k", "secret": "s"})
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_pathlib_path_is_a_dirpath(tmp_path):
+    with CheckpointManager(tmp_path / "run", interval=1, announce=False) as ckpt:
+        ckpt.save(1, {"w": torch.ones(2)}, block=True)
+    assert ckpt.storage.url == str(tmp_path / "run") and CheckpointConfig(dirpath=tmp_path).dirpath == str(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["SIGCHLD", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGWINCH", "SIGPIPE", "SIGABRT"])
+def test_a_signal_that_is_no_preemption_notice_is_refused(name):
+    """SIGCHLD (any child process ending) made the job save and exit 0 at its first ``subprocess.run``; a SIGSEGV
+    taken as a notice turned a crash into a hang."""
+    with pytest.raises(ConfigError, match=f"preemption_signals: {name} .*not a notice .*HINT"):
+        CheckpointConfig(dirpath="/tmp/run", preemption_signals=(name,))

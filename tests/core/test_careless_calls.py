@@ -1,0 +1,63 @@
+"""A user calling the API carelessly reads what was wrong, at the call, and loses nothing (found by a red team: each
+of these raised an AttributeError or TypeError from deep inside, or did the wrong thing silently)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from ft_checkpoint import CheckpointManager
+from ft_checkpoint.errors import ConfigError, SaveError
+
+
+@pytest.mark.parametrize("state", [{"a/b": torch.zeros(3), "a": {"b": torch.ones(3)}},
+                                   {"l": [torch.zeros(3)], "l/0": torch.ones(3)}])
+def test_two_tensors_whose_keys_join_alike_are_refused_not_loaded_into_each_other(tmp_path, state):
+    """Keys are joined with '/': ``{"a/b": zeros, "a": {"b": ones}}`` resumed with ``a/b`` holding ones, silently."""
+    with CheckpointManager(str(tmp_path / "run"), interval=1, announce=False) as ckpt:
+        with pytest.raises(ConfigError, match=r"two tensors at the key '(a/b|l/0)'.*HINT: rename the key that has a '/'"):
+            ckpt.save(1, state)
+        assert ckpt.latest() is None
+
+
+def test_a_model_passed_as_the_state_is_refused_at_every_call(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    with CheckpointManager(str(tmp_path / "run"), interval=100, announce=False) as ckpt:
+        for call in (lambda: ckpt.resume(model), lambda: ckpt.maybe_save(1, model), lambda: ckpt.save(1, model)):
+            with pytest.raises(ConfigError, match=r"state must be a dict .*got Linear\. HINT: pass a dict, e\.g\. "
+                                                  r"\{'model': model"):
+                call()  # maybe_save too, though no save is due at step 1 (before, it returned False silently)
+
+
+@pytest.mark.parametrize(("step", "expected"), [("10", "got str '10'"), (2.0, "got float 2.0"), (True, "got bool True"),
+                                                (-1, r"step=-1 is invalid"), (10**12, r"step=1000000000000 is invalid")])
+def test_a_step_that_is_no_step_count_is_refused_at_the_call(tmp_path, step, expected):
+    with CheckpointManager(str(tmp_path / "run"), interval=1, announce=False) as ckpt:
+        for call in (ckpt.maybe_save, ckpt.save):
+            with pytest.raises(ConfigError, match=expected):
+                call(step, {"w": torch.ones(2)})
+
+
+def test_numpy_and_torch_integers_are_step_counts(tmp_path):
+    """``np.int64`` (a step read from a NumPy array) failed in the background: its JSON could not be written."""
+    with CheckpointManager(str(tmp_path / "run"), interval=1, announce=False) as ckpt:
+        ckpt.save(np.int64(3), {"w": torch.ones(2)}, block=True)
+        ckpt.save(torch.tensor(4), {"w": torch.ones(2)}, block=True)
+        assert ckpt.latest() == 4
+
+
+def test_a_second_manager_on_the_same_dirpath_in_one_process_is_named_as_the_cause(tmp_path, caplog):
+    """The first manager's error blamed a hung process or a storage outage for a lease this process's second manager
+    took (a notebook cell run again)."""
+    url = str(tmp_path / "run")
+    first = CheckpointManager(url, interval=1, announce=False)
+    second = CheckpointManager(url, interval=1, announce=False)
+    with caplog.at_level(logging.WARNING, logger="ft_checkpoint"), pytest.raises(SaveError) as e:
+        first.save(1, {"w": torch.ones(2)}, block=True)
+    assert "another CheckpointManager in this process took the directory over" in str(e.value)
+    assert "close() the first manager" in str(e.value) and "storage outage" not in str(e.value)
+    first.close(clean=False)
+    second.close()
