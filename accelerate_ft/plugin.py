@@ -25,7 +25,7 @@ import datetime
 from typing import Any
 
 from ft_checkpoint import CheckpointConfig
-from ft_checkpoint.config import FIELDS
+from ft_checkpoint.config import FIELDS, check_names
 
 SETTINGS = FIELDS
 """The names a plugin (and ``FaultTolerantCheckpoint``) takes: the fields of ``CheckpointConfig``, in order."""
@@ -86,6 +86,10 @@ class FaultTolerantCheckpointPlugin:
 
     config: CheckpointConfig = dataclasses.field(init=False, repr=False)
     """The resolved, validated core config."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> FaultTolerantCheckpointPlugin:
+        check_names(kwargs)  # before the dataclass's __init__, whose TypeError names no close field
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         self.config = CheckpointConfig.from_env(**{name: getattr(self, name) for name in SETTINGS})

@@ -410,3 +410,10 @@ def test_a_path_given_where_the_accelerator_goes_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"first argument is the Accelerator; got '.*run'\. HINT: "
                                           r"FaultTolerantCheckpoint\(accelerator, '.*run', \.\.\.\)"):
         FaultTolerantCheckpoint(str(tmp_path / "run"))
+
+
+def test_a_misspelt_plugin_setting_gets_the_closest_name():
+    """The README promises an unknown keyword fails with the closest name; the plugin's dataclass raised a plain
+    TypeError ("unexpected keyword argument 'intervall'")."""
+    with pytest.raises(ConfigError, match="unknown checkpoint config argument 'intervall'. HINT: did you mean 'interval'"):
+        FaultTolerantCheckpointPlugin(intervall=3)
