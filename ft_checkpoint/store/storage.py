@@ -181,6 +181,23 @@ def unreachable(exc: BaseException) -> str | None:
     return None
 
 
+def _describe(exc: BaseException) -> str:
+    """``Type: message``; for an exception without a message (fsspec's ``FSTimeoutError`` around aiohttp's timeout),
+    that of the first exception it was raised from that has one.
+
+    Example:
+        >>> try:
+        ...     raise TimeoutError() from ConnectionError("Timeout on reading data from socket")
+        ... except TimeoutError as e:
+        ...     print(_describe(e))
+        TimeoutError: ConnectionError: Timeout on reading data from socket
+    """
+    if str(exc):
+        return f"{type(exc).__name__}: {exc}"
+    said = next((e for e in _chain(exc) if str(e)), None)
+    return f"{type(exc).__name__}: {type(said).__name__}: {said}" if said is not None else type(exc).__name__
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether ``exc`` (or an exception it was raised from) is worth retrying. A :class:`StorageError` is
     final: its operation was retried already, by one layer (this module).
@@ -385,8 +402,9 @@ class Storage:
     def _retrier(self, what: str, where: str) -> tenacity.Retrying:
         def warn_once(rs: tenacity.RetryCallState) -> None:
             if rs.attempt_number == 1:
+                e = rs.outcome.exception() if rs.outcome else None
                 log.warning("%s %s failed (%s); retrying, up to %s within %s", what, where,
-                            rs.outcome.exception() if rs.outcome else None, plural(self.retries, "attempt"),
+                            e if e is None or str(e) else _describe(e), plural(self.retries, "attempt"),
                             human_seconds(RETRY_WINDOW))
 
         return tenacity.Retrying(
@@ -413,7 +431,7 @@ class Storage:
     def _translate(self, what: str, rel: str, e: Exception, tried: str = "") -> Exception:
         if isinstance(e, FTCheckpointError):  # ours already says what happened (corruption is no outage)
             return e
-        where, error = f"{what} {self.url_of(rel)}", f"{type(e).__name__}: {e}"
+        where, error = f"{what} {self.url_of(rel)}", _describe(e)
         cause = unreachable(e)
         if cause == "no credentials":
             return StoragePermissionError(f"{where}: no credentials ({error}). HINT: {_CREDENTIALS_HINT}")

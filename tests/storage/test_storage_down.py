@@ -8,9 +8,12 @@ times, with one warning.
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import logging
+import re
+import socket
 import threading
 import time
 import uuid
@@ -18,8 +21,9 @@ import uuid
 import pytest
 
 from ft_checkpoint.errors import StorageError, StoragePermissionError
+from ft_checkpoint.store import client_retries
 from ft_checkpoint.store import storage as storage_module
-from ft_checkpoint.store.storage import Storage
+from ft_checkpoint.store.storage import Storage, make_filesystem
 from ft_checkpoint.testing import servers
 from tests.cli.conftest import cli
 
@@ -176,3 +180,62 @@ def test_permission_denied_is_permanent_with_a_hint(status_server, protocol):
     with pytest.raises(StoragePermissionError, match="(?s)permission denied.*HINT: check the credentials"):
         s.write_bytes("x", b"denied")
     assert status_server.requests == 1
+
+
+class SilentServer:
+    """A TCP server on 127.0.0.1 that accepts every connection and never answers (a hung proxy, a firewall that
+    swallows packets, the wrong port of a busy service)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.connections: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                self.connections.append(self.sock.accept()[0])
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.connections:
+            c.close()
+
+
+def test_gcs_requests_have_a_timeout_unless_the_user_sets_one():
+    """gcsfs sets none by default (aiohttp then waits forever); ours is s3fs's for S3: 5 s to connect, 15 s of silence."""
+    fs, _ = make_filesystem("gs://bucket/run", {"token": "anon", "endpoint_url": "http://127.0.0.1:9"})
+    timeout = fs.requests_timeout
+    assert timeout is not None, "no timeout: a GCS endpoint that never answers hangs every request forever"
+    assert (timeout.sock_connect, timeout.sock_read, timeout.total) == (5.0, 15.0, None)  # silence, not transfer time
+    fs, _ = make_filesystem("gs://bucket/run", {"token": "anon", "requests_timeout": 600})
+    assert fs.requests_timeout == 600
+
+
+def test_silent_gcs_endpoint_fails_within_the_retry_window(monkeypatch):
+    """Before: ``ft-checkpoint ls gs://...`` and a training's start hung for good on an endpoint that accepts
+    connections and never answers. Now each attempt times out, and the operation ends as on S3 (a timeout of
+    0.3 s and a window of 2 s here instead of 15 s and 60 s)."""
+    monkeypatch.setattr(client_retries, "GCS_READ_TIMEOUT", 0.3)
+    monkeypatch.setattr(storage_module, "RETRY_WINDOW", 2.0)
+    server = SilentServer()
+    outcome: list[BaseException] = []
+
+    def ls() -> None:
+        try:
+            Storage("gs://bucket/run", {"endpoint_url": server.endpoint, "token": "anon"}, backoff=0.01).listdir("")
+        except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+            outcome.append(e)
+
+    worker = threading.Thread(target=ls, daemon=True)
+    worker.start()
+    worker.join(ANSWER_WITHIN)
+    hung = worker.is_alive()
+    server.close()  # before: lets the hung request end
+    assert not hung, f"listing a silent GCS endpoint still hangs after {ANSWER_WITHIN:.0f} s"
+    assert len(outcome) == 1 and isinstance(outcome[0], StorageError), outcome
+    assert re.search(r"list gs://bucket/run: still failing after \d+ attempts? in .*: FSTimeoutError: \w*TimeoutError: "
+                     r"Timeout on reading data from socket. HINT: the storage service may be "
+                     r"down or unreachable", str(outcome[0])), outcome[0]
+    print(outcome[0])
