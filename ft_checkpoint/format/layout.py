@@ -457,6 +457,12 @@ class StepCheck:
     signature: str | None = None
     """``"verified"`` (with a key), ``"refused"`` (with a key: unsigned or not verifying; the first problem says
     why), ``"not checked"`` (signed, no key given), ``"none"`` (unsigned, no key given); None: no manifest."""
+    mismatched: list[str] = dataclasses.field(default_factory=list)
+    """The files (by name) whose bytes do not match the manifest's checksum of the whole file."""
+    loads: bool | None = None
+    """Whether a resume loads the step despite its problems (``ft-checkpoint verify`` works it out for a step whose
+    only problem is data files whose bytes outside every tensor changed); None: not worked out (a resume loads a
+    step only if it is ``ok``)."""
 
     @property
     def ok(self) -> bool:
@@ -473,8 +479,13 @@ class StepCheck:
         return self.manifest.total_bytes if self.manifest else 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "ok": self.ok, "files": self.files, "bytes": self.bytes,
-                "signature": self.signature, "problems": list(self.problems)}
+        return {"step": self.step, "ok": self.ok, "resume_loads": self.resume_loads, "files": self.files,
+                "bytes": self.bytes, "signature": self.signature, "problems": list(self.problems)}
+
+    @property
+    def resume_loads(self) -> bool:
+        """Whether a resume loads this step (as far as the checks made tell)."""
+        return self.ok or bool(self.loads)
 
     def raise_if_bad(self) -> Manifest:
         """The manifest, or CheckpointCorruptError with the first problems (unlisted files in one); SignatureError
@@ -529,10 +540,15 @@ def check_step(storage: Storage, step: int, *, checksums: bool | Callable[[str],
         if problem is None and (checksums is True or (callable(checksums) and checksums(name))):
             problem = _checksum_problem(storage, f"{rel}/{name}", entry, on_bytes)
             result.bytes_checked += entry.size
+            if problem == CHECKSUM_MISMATCH:
+                result.mismatched.append(name)
         if problem:
             result.problems.append(f"{name}: {problem}")
     result.problems += [f"{name}: {UNLISTED}" for name in manifest.unlisted(entries)]
     return result
+
+
+CHECKSUM_MISMATCH = "does not match its checksum (corrupted)"
 
 
 def _entry_problem(found: Any, entry: FileEntry) -> str | None:
@@ -553,7 +569,7 @@ def _checksum_problem(storage: Storage, rel: str, entry: FileEntry, on_bytes: On
             yield chunk
 
     try:
-        return None if crc.matches(entry.checksum, counted()) else "does not match its checksum (corrupted)"
+        return None if crc.matches(entry.checksum, counted()) else CHECKSUM_MISMATCH
     except CheckpointCorruptError as e:  # swapped for a FIFO or a link since the listing: the message names it
         return f"changed since it was listed: {e}"
 

@@ -38,7 +38,7 @@ from ft_checkpoint.format.layout import OnBytes, StepCheck
 from ft_checkpoint.format.signing import Signer
 from ft_checkpoint.run.retention import counted, plan_deletions, statuses
 from ft_checkpoint.store import checksum
-from ft_checkpoint.store.storage import Storage
+from ft_checkpoint.store.storage import IO_SLICE, Storage
 
 COMMITTED, PARTIAL, CORRUPT, UNVERIFIED = "committed", "partial", "corrupt", "unverified"
 
@@ -223,19 +223,74 @@ def check_step(storage: Storage, step: int, *, on_bytes: OnBytes | None = None,
         ['memory://doc/check/step_000000000007/manifest.json is missing']
     """
     check = layout.check_step(storage, step, checksums=True, on_bytes=on_bytes, signer=signer)
-    if check.ok and check.manifest is not None and check.manifest.format_version >= 2:
-        entry = check.manifest.files.get(layout.METADATA)
-        try:
-            if entry is None:
-                raise CheckpointCorruptError(f"the manifest lists no {layout.METADATA}")
-            tensor_metadata.parse(storage.read_bytes(f"{layout.step_dir(step)}/{layout.METADATA}", size=entry.size),
-                                  tensor_metadata.data_files(check.manifest.files))
-        except CheckpointCorruptError as e:
-            check.problems.append(str(e))
+    try:
+        _check_tensor_metadata(storage, check)
+    except CheckpointCorruptError as e:
+        check.problems.append(str(e))
     prefix = storage.url_of(layout.step_dir(step))
     check.problems = [p if p.startswith(prefix) else f"{prefix}/{p}" if _names_a_file(p) else f"{prefix}: {p}"
                       for p in check.problems]
     return check
+
+
+def _check_tensor_metadata(storage: Storage, check: StepCheck) -> None:
+    """Format 2: check the tensor metadata against the manifest, and, where the only problems are data files that do
+    not match their whole-file checksum, whether a resume loads the step all the same (:func:`_check_tensor_bytes`).
+    A resume reads and checks only the byte ranges of a data file's tensors (each range's CRC-32C, see ``shards``):
+    a file whose other bytes (alignment padding) changed still loads."""
+    manifest = check.manifest
+    if manifest is None or manifest.format_version < 2:
+        return
+    data = tensor_metadata.data_files(manifest.files)
+    only_data = bool(check.mismatched) and set(check.mismatched) <= set(data) \
+        and check.problems == [f"{name}: {layout.CHECKSUM_MISMATCH}" for name in check.mismatched]
+    if not (check.ok or only_data):
+        return
+    entry = manifest.files.get(layout.METADATA)
+    if entry is None:
+        raise CheckpointCorruptError(f"the manifest lists no {layout.METADATA}")
+    tensors = tensor_metadata.parse(storage.read_bytes(f"{layout.step_dir(check.step)}/{layout.METADATA}",
+                                                       size=entry.size), data)
+    if only_data:
+        _check_tensor_bytes(storage, check, data, tensors)
+
+
+def _check_tensor_bytes(storage: Storage, check: StepCheck, sizes: dict[str, int],
+                        tensors: dict[str, tensor_metadata.TensorEntry]) -> None:
+    """For each data file of ``check.mismatched`` (the step's only problems; ``sizes``: the data files' sizes), whether
+    the bytes of its tensors match their own checksums, as a resume checks them: ``check.loads`` and each problem say
+    which. Reads the tensor bytes of those files again (once for the whole-file checksum, once here): nothing more
+    for an intact step."""
+    chunks: dict[str, list[tensor_metadata.ChunkEntry]] = {}
+    for t in tensors.values():
+        for c in t.chunks:
+            chunks.setdefault(c.file, []).append(c)
+    rel = layout.step_dir(check.step)
+    check.loads = True
+    for i, name in enumerate(check.mismatched):  # the problems, in the same order
+        if storage.call("read", f"{rel}/{name}", _tensor_bytes_match, storage, f"{rel}/{name}", sizes[name],
+                        sorted(chunks.get(name, []), key=lambda c: c.offset)):
+            check.problems[i] = (f"{name}: {layout.CHECKSUM_MISMATCH} in bytes that belong to no tensor (alignment "
+                                 "padding); every tensor's bytes in it match their checksums")
+        else:
+            check.loads = False
+
+
+def _tensor_bytes_match(storage: Storage, rel: str, size: int, chunks: list[tensor_metadata.ChunkEntry]) -> bool:
+    """Whether the bytes of each of ``chunks`` (of the file ``rel`` of ``size`` bytes, in offset order) match its
+    CRC-32C, as a resume reads and checks them (``shards.ShardReader``)."""
+    with storage.open_read(rel, size=size) as f:
+        for c in chunks:
+            f.seek(c.offset)
+            crc, left = 0, c.length
+            while left:
+                piece = f.read(min(left, IO_SLICE))
+                if not piece:
+                    return False
+                crc, left = checksum.crc32c_of(piece, crc), left - len(piece)
+            if crc != c.crc32c:
+                return False
+    return True
 
 
 def _names_a_file(problem: str) -> bool:

@@ -390,12 +390,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
     lines = []
     for c in checks:
         lines.append(f"step {c.step}: " + (f"ok ({c.files} files, {human_bytes(c.bytes)}: {_checked(c.signature)})"
-                                           if c.ok else "UNVERIFIED" if c.signature == REFUSED else "CORRUPT"))
+                                           if c.ok else "UNVERIFIED" if c.signature == REFUSED else
+                                           "CORRUPT outside its tensors (a resume loads it)" if c.resume_loads else
+                                           "CORRUPT"))
         lines += [f"  {p}" for p in c.problems]
     bad = [c.step for c in checks if not c.ok]
+    skipped = [c.step for c in checks if not c.resume_loads]
+    loaded = sorted(set(bad) - set(skipped))
     lines.append(f"intact: {plural(len(checks), 'step')} checked" if ok else
                  f"NOT INTACT: {len(bad)} of {plural(len(checks), 'checked step')} ({', '.join(map(str, bad))}); "
-                 "a resume skips a corrupt or unverified step and falls back to the previous one"
+                 + "; ".join((["a resume skips a corrupt or unverified step and falls back to the previous one"]
+                              if skipped else [])
+                             + ([f"a resume still loads {'step' if len(loaded) == 1 else 'steps'} "
+                                 f"{', '.join(map(str, loaded))} (every tensor's bytes match their checksums; bytes "
+                                 "outside them changed: check the storage)"] if loaded else []))
                  + ("" if args.all else ". HINT: 'ft-checkpoint verify --all' checks the others"))
     emit(args, {"url": storage.url, "ok": ok, "steps": [c.to_dict() for c in checks]}, lines)
     return 0 if ok else 1

@@ -295,3 +295,50 @@ def test_ls_on_a_lightning_root_dir_points_at_its_ft_checkpoints(local_run, tmp_
     out = cli("ls", root)
     assert out.returncode == 0 and "0 step directories" in out.stdout
     assert f"HINT: checkpoints are in {root / 'ft_checkpoints'}: 'ft-checkpoint ls {root / 'ft_checkpoints'}'" in out.stdout
+
+
+def test_verify_says_whether_a_resume_loads_a_step_whose_damage_is_outside_its_tensors(tmp_path):
+    """On local disk each chunk of a shard file starts on a page boundary: the zero padding in between belongs to no
+    tensor, and a resume, which reads and checks each tensor's byte range alone, loads a step whose padding changed.
+    Before: ``verify`` called it CORRUPT and said "a resume skips a corrupt or unverified step", and the resume loaded
+    it. Now both agree: the whole-file mismatch is still reported (exit 1), with whether a resume loads the step."""
+    import json
+
+    import torch
+
+    from ft_checkpoint import CheckpointManager
+    from ft_checkpoint.format import tensor_metadata
+
+    url = str(tmp_path / "run")
+
+    def state() -> dict:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        return {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
+
+    with CheckpointManager(url, interval=1) as ckpt:
+        for step in (4, 5):
+            ckpt.save(step, state(), block=True)
+    path = step_file(url, 5)
+    with open(step_file(url, 5, tensor_metadata.NAME), "rb") as f:
+        chunks = [c for t in json.load(f)["tensors"].values() for c in t["chunks"] if c["file"] == DISTCP]
+    end = max(c["offset"] + c["length"] for c in chunks)
+    assert end < os.path.getsize(path), "no padding after the last chunk: nothing to test"
+    flip_byte(path, end)  # the first byte after every tensor's bytes
+
+    text = cli("verify", url)
+    assert text.returncode == 1, text.stdout + text.stderr
+    assert "step 5: CORRUPT outside its tensors (a resume loads it)" in text.stdout, text.stdout
+    assert f"{path}: does not match its checksum (corrupted) in bytes that belong to no tensor" in text.stdout
+    assert "a resume still loads step 5" in text.stdout and "a resume skips" not in text.stdout, text.stdout
+    [step] = cli_json("verify", url, rc=1)["steps"]
+    assert (step["ok"], step["resume_loads"]) == (False, True)
+    with CheckpointManager(url, interval=1) as ckpt:
+        assert ckpt.resume(state()) == 5  # what verify said
+
+    flip_byte(path, chunks[0]["offset"])  # and now a tensor's byte too
+    text = cli("verify", url)
+    assert text.returncode == 1 and "step 5: CORRUPT\n" in text.stdout and "a resume skips" in text.stdout, text.stdout
+    assert cli_json("verify", url, rc=1)["steps"][0]["resume_loads"] is False
+    with CheckpointManager(url, interval=1) as ckpt:
+        assert ckpt.resume(state()) == 4  # what verify said: skipped
