@@ -331,7 +331,7 @@ def _refuse_careless_path(field: str, value: str) -> None:
     parts = value.rstrip("/").split("/")
     for i, part in enumerate(parts):
         if (step := layout.parse_step(part)) is not None:
-            run = "/".join(parts[:i]) or "/"
+            run = "/".join(parts[:i]) or ("/" if value.startswith("/") else ".")
             raise ConfigError(f"{field}={value!r} is {'step' if i == len(parts) - 1 else 'inside step'} {step} of the "
                               f"run in {run!r}: a job there would write its steps and journal into that committed "
                               f"step, which would then no longer verify. HINT: pass the run's directory, {run!r}")

@@ -482,7 +482,26 @@ def _freeze(skeleton: Any, per_rank: dict[str, Any]) -> bytes:
     """The non-tensor state and this rank's own, as they are now, in a form that later changes cannot reach
     (on the caller's thread): pickle's C pickler takes a fraction of ``torch.save``'s time (which calls Python
     for every object pickled: some milliseconds for the RNG states alone)."""
-    return pickle.dumps({"skeleton": skeleton, "per_rank": per_rank}, protocol=pickle.HIGHEST_PROTOCOL)
+    try:
+        return pickle.dumps({"skeleton": skeleton, "per_rank": per_rank}, protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, TypeError, AttributeError) as e:  # a lambda, an open file, a lock, a generator
+        # the manager passes the user's per_rank= as per_rank["state"]
+        where, what = _unpicklable(skeleton, "state") or _unpicklable(per_rank.get("state"), "per_rank") or ("the state", e)
+        raise ConfigError(f"{where} cannot be saved ({type(what).__name__}: {what}). HINT: keep tensors, numbers, "
+                          "strings and containers of them in the state (objects with state_dict() give theirs); "
+                          "leave out functions, open files and the like") from None
+
+
+def _unpicklable(node: Any, path: str) -> tuple[str, BaseException] | None:
+    """The path of the first value in ``node`` (dicts, lists, tuples) that cannot be pickled, and why."""
+    items = node.items() if isinstance(node, Mapping) else enumerate(node) if isinstance(node, (list, tuple)) else None
+    if items is not None:
+        return next((found for key, value in items if (found := _unpicklable(value, f"{path}[{key!r}]"))), None)
+    try:
+        pickle.dumps(node, protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, TypeError, AttributeError) as e:
+        return path, e
+    return None
 
 
 def _serialize(frozen: bytes, owned: Mapping[str, Any]) -> bytes:

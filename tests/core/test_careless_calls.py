@@ -61,3 +61,16 @@ def test_a_second_manager_on_the_same_dirpath_in_one_process_is_named_as_the_cau
     assert "close() the first manager" in str(e.value) and "storage outage" not in str(e.value)
     first.close(clean=False)
     second.close()
+
+
+@pytest.mark.parametrize(("value", "kind"), [(lambda x: x, "PicklingError"), ((i for i in range(3)), "TypeError")])
+def test_a_value_that_cannot_be_saved_is_named_by_its_key(tmp_path, value, kind):
+    """A lambda or a generator in the state raised pickle's error from inside the engine, naming no key."""
+    with CheckpointManager(str(tmp_path / "run"), interval=1, announce=False) as ckpt:
+        with pytest.raises(ConfigError, match=rf"state\['extra'\]\['fn'\] cannot be saved \({kind}: .*HINT: keep "
+                                              "tensors"):
+            ckpt.save(1, {"w": torch.ones(2), "extra": {"n": 1, "fn": value}})
+        with pytest.raises(ConfigError, match=r"per_rank\['batch'\] cannot be saved"):
+            ckpt.save(1, {"w": torch.ones(2)}, per_rank={"batch": value})
+        ckpt.save(1, {"w": torch.ones(2)}, block=True)  # nothing was left half-done
+        assert ckpt.latest() == 1

@@ -379,6 +379,11 @@ def test_a_dirpath_that_names_another_folder_than_meant_is_refused(tmp_path, mon
     assert os.listdir(tmp_path) == [], "nothing is made on the local disk"
 
 
+def test_a_relative_step_directory_names_the_working_directory_as_its_run():
+    with pytest.raises(ConfigError, match=r"is step 5 of the run in '\.'.*HINT: pass the run's directory, '\.'"):
+        CheckpointConfig(dirpath="step_000000000005")
+
+
 @pytest.mark.parametrize("dirpath", ["/data/price$usd", "/data/run$1", "~/runs/x"])
 def test_paths_with_a_dollar_inside_a_name_are_kept(dirpath):
     assert CheckpointConfig(dirpath=dirpath).dirpath == dirpath
