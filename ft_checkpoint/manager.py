@@ -510,6 +510,7 @@ class CheckpointManager:
         if found is None:
             if self.rank == 0:  # the one line is the announcement's (or the integration's): here DEBUG only
                 log.debug("no committed checkpoint in %s: starting fresh", self.storage.url)
+                self._hint_runs_below()
             self._announce_start()
             return None
         manifest, ranked = found
@@ -531,6 +532,19 @@ class CheckpointManager:
             log.debug("resuming from step %d (%s): %s", manifest.step, source, self.loaded)
         self._announce_start()
         return manifest.step
+
+    def _hint_runs_below(self) -> None:
+        """A fresh start in a directory without a step, but with folders right below it that hold steps (a run's
+        parent, a Lightning ``default_root_dir``): warn, naming them, since the job would train from scratch."""
+        try:
+            below = layout.checkpoint_dirs_below(self.storage, limit=3)
+        except StorageError as e:
+            log.debug("the folders below %s could not be listed: %s", self.storage.url, e)
+            return
+        if below:
+            log.warning("no checkpoint in %s, but %s right below it %s steps: this job starts from scratch. HINT: to "
+                        "resume that run, pass dirpath=%r", self.storage.url, ", ".join(below),
+                        "holds" if len(below) == 1 else "hold", below[0])
 
     def _durable_or_newer_fast(self, load: Callable[[StepLoader, Any], Any], touched: bool,
                                listing: layout.Listing | None, *, asked: bool) -> tuple[Any, str]:

@@ -601,3 +601,25 @@ def quarantine(storage: Storage, steps: Iterable[int]) -> None:
             continue
         except (CheckpointCorruptError, StoragePermissionError) as e:
             log.warning("left %s as it is: %s", storage.url_of(rel), e)
+
+
+def checkpoint_dirs_below(storage: Storage, limit: int = 5, scan: int = 20) -> list[str]:
+    """URLs of the directories right below ``storage`` that hold step directories (a Lightning
+    ``default_root_dir`` holds them in ``ft_checkpoints/``), among the first ``scan`` folders there: what ``ls``
+    suggests when it finds none, and what a job's first start in a directory without a step warns about.
+
+    Example:
+        >>> s = Storage("memory://doc/root")
+        >>> s.write_bytes("ft_checkpoints/step_000000000010/manifest.json", b"{}")
+        >>> checkpoint_dirs_below(s)
+        ['memory://doc/root/ft_checkpoints']
+    """
+    found: list[str] = []
+    folders = [name for name, entry in sorted(storage.entries("").items())
+               if entry.kind == "directory" and parse_step(name) is None and name != JOURNAL_DIR]
+    for name in folders[:scan]:
+        if any(parse_step(n) is not None for n in storage.listdir(name)):
+            found.append(storage.url_of(name))
+        if len(found) >= limit:
+            break
+    return found

@@ -142,26 +142,6 @@ def list_checkpoints(storage: Storage, *, signer: Signer | None = None) -> Listi
     return Listing(url=storage.url, steps=infos, resume_step=max(committed, default=None))
 
 
-def checkpoint_dirs_below(storage: Storage, limit: int = 5) -> list[str]:
-    """URLs of the directories right below ``storage`` that hold step directories (a Lightning
-    ``default_root_dir`` holds them in ``ft_checkpoints/``): what ``ls`` suggests when it finds none.
-
-    Example:
-        >>> s = Storage("memory://doc/root")
-        >>> s.write_bytes("ft_checkpoints/step_000000000010/manifest.json", b"{}")
-        >>> checkpoint_dirs_below(s)
-        ['memory://doc/root/ft_checkpoints']
-    """
-    found = []
-    for name, entry in sorted(storage.entries("").items()):
-        if entry.kind == "directory" and layout.parse_step(name) is None and name != layout.JOURNAL_DIR:
-            if any(layout.parse_step(n) is not None for n in storage.listdir(name)):
-                found.append(storage.url_of(name))
-        if len(found) >= limit:
-            break
-    return found
-
-
 # -- the fast tier -------------------------------------------------------------------------------
 def fast_tier_steps(url: str, fast_dirpath: str) -> dict[int, dict[str, Any]]:
     """What a node's fast tier (``fast_dirpath``) holds of the runs whose durable dirpath is ``url``: by step, the

@@ -339,7 +339,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         pick = "no step verifies with the key: a resume would stop with an error (the key or run name may be wrong)"
     lines = [f"{listing.url}: {plural(len(listing.steps), 'step directory', 'step directories')}; {pick}"]
     if not listing.steps and not fast:
-        from ft_checkpoint.tools.catalog import checkpoint_dirs_below
+        from ft_checkpoint.format.layout import checkpoint_dirs_below
 
         lines += [f"HINT: checkpoints are in {url}: 'ft-checkpoint ls {url}'" for url in checkpoint_dirs_below(storage)]
     rows = {i.step: [str(i.step), i.status, utc(i.time), human_bytes(i.bytes), str(i.files),

@@ -74,3 +74,21 @@ def test_a_value_that_cannot_be_saved_is_named_by_its_key(tmp_path, value, kind)
             ckpt.save(1, {"w": torch.ones(2)}, per_rank={"batch": value})
         ckpt.save(1, {"w": torch.ones(2)}, block=True)  # nothing was left half-done
         assert ckpt.latest() == 1
+
+
+def test_a_fresh_start_in_a_runs_parent_directory_names_the_run_below(tmp_path, caplog):
+    """``dirpath`` one level too high (the parent of a run, a Lightning ``default_root_dir``): the job started from
+    scratch without a word, while ``ft-checkpoint ls`` of the same directory hinted at the run below."""
+    with CheckpointManager(str(tmp_path / "run"), interval=1, announce=False) as ckpt:
+        ckpt.save(3, {"w": torch.ones(2)}, block=True)
+    (tmp_path / "notes").mkdir()
+    with caplog.at_level(logging.WARNING, logger="ft_checkpoint"):
+        with CheckpointManager(str(tmp_path), interval=1, announce=False) as parent:
+            assert parent.resume({"w": torch.zeros(2)}) is None
+    assert f"no checkpoint in {tmp_path}, but {tmp_path / 'run'} right below it holds steps: this job starts from " \
+           f"scratch. HINT: to resume that run, pass dirpath='{tmp_path / 'run'}'" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ft_checkpoint"):
+        with CheckpointManager(str(tmp_path / "new"), interval=1, announce=False) as new:
+            assert new.resume({"w": torch.zeros(2)}) is None
+    assert "right below it" not in caplog.text, "a new directory: nothing to say"
