@@ -48,6 +48,7 @@ from ft_checkpoint.state import (
     Participants,
     check_tensors_match,
     describe_participants,
+    require_state_dict,
     rng_state,
     set_rng_state,
     stage_participants,
@@ -721,21 +722,6 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this CheckpointManager is closed; create a new one")
-
-
-def require_state_dict(state: Any) -> None:
-    """ConfigError, naming what was passed, unless ``state`` is a dict (a model passed as it is, say).
-
-    Example:
-        >>> try:
-        ...     require_state_dict(object())
-        ... except ConfigError as e:
-        ...     print(str(e).split(". HINT")[0])
-        state must be a dict of tensors, dicts and objects with state_dict(); got object
-    """
-    if not isinstance(state, Mapping):
-        raise ConfigError(f"state must be a dict of tensors, dicts and objects with state_dict(); got "
-                          f"{type(state).__name__}. HINT: pass a dict, e.g. {{'model': model, 'optimizer': optimizer}}")
 
 
 def checked_step(step: Any) -> int:

@@ -195,10 +195,24 @@ def stands_alone(parts: Mapping[str, Any]) -> bool:
     return all(callable(getattr(p, "stage_part", None)) and getattr(p, "stands_alone", False) for p in parts.values())
 
 
+def require_state_dict(state: Any) -> None:
+    """ConfigError, naming what was passed, unless ``state`` is a dict (a model passed as it is, say).
+
+    Example:
+        >>> try:
+        ...     require_state_dict(object())
+        ... except ConfigError as e:
+        ...     print(str(e).split(". HINT")[0])
+        state must be a dict of tensors, dicts and objects with state_dict(); got object
+    """
+    if not isinstance(state, Mapping):
+        raise ConfigError(f"state must be a dict of tensors, dicts and objects with state_dict(); got "
+                          f"{type(state).__name__}. HINT: pass a dict, e.g. {{'model': model, 'optimizer': optimizer}}")
+
+
 def to_tree(state: Mapping[str, Any]) -> dict[str, Any]:
     """``state`` with every stateful value replaced by its ``state_dict()``."""
-    if not isinstance(state, Mapping):
-        raise ConfigError(f"state must be a dict of tensors, dicts and objects with state_dict(); got {type(state).__name__}")
+    require_state_dict(state)
     return {k: (v.state_dict() if is_stateful(v) else v) for k, v in state.items()}
 
 
