@@ -38,7 +38,7 @@ from ft_checkpoint.policies.cost import CostMeter
 from ft_checkpoint.policies.interval import describe_policy, policy_from_interval, policy_metrics
 from ft_checkpoint.policies.policy import OnPreemption, SaveContext, SavePolicy, find_policy
 from ft_checkpoint.run.dist import Groups, peer_lost, short_error
-from ft_checkpoint.run.journal import Journal, attempt_summaries, first_attempt, new_attempt_id, started_before
+from ft_checkpoint.run.journal import Journal, attempt_summaries, first_attempt, new_attempt_id
 from ft_checkpoint.run.lease import Lease
 from ft_checkpoint.run.preemption import PreemptionWatcher
 from ft_checkpoint.run.slurm import SlurmJob, requeue
@@ -114,11 +114,11 @@ class CheckpointManager:
         self.adaptive = find_policy(self.policy, AdaptiveInterval)
         self.fast: FastTier | None = None
         """The fast tier (``fast_dirpath``), or None: see ``ft_checkpoint.tiers``."""
+        self._first_attempt: str | None = None  # rank 0, with a fast tier: the journal's oldest start before this one
         if c.fast_dirpath is not None or self.groups.distributed:  # collective: every rank checks the setting alike
             from ft_checkpoint.tiers.fast_tier import create_fast_tier
 
-            self.fast = create_fast_tier(c, self.storage.url, self.groups, **adaptive,
-                                         lineage=lambda: first_attempt(self.storage) or attempt)
+            self.fast = create_fast_tier(c, self.storage.url, self.groups, **adaptive, lineage=self._lineage(attempt))
         self.tiers = multilevel_for(c.interval, c.fast_interval, self.fast, **adaptive) if policy is None else None
         """Both tiers' adaptive intervals from one plan (both ``"adaptive"``, with a fast tier), or None."""
         if self.tiers is not None and self.fast is not None:
@@ -181,10 +181,20 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         self._announced = self._closed = False
 
+    def _lineage(self, attempt: str) -> Callable[[], str]:
+        """What names the durable directory's incarnation for the fast tier (rank 0, once, before this start's
+        journal is written): the oldest start its journal records, or this one's ``attempt``. The listing is kept
+        for :meth:`_durable_has_history`."""
+        def lineage() -> str:
+            self._first_attempt = first_attempt(self.storage)
+            return self._first_attempt or attempt
+        return lineage
+
     def _durable_has_history(self) -> bool:
-        """Whether the journal records a start before this one (rank 0). Without one, and without a step, the
-        durable directory is new or was emptied: what the fast tier holds for it is a deleted run's."""
-        return started_before(self.storage, besides=self.journal.attempt)
+        """Whether the journal recorded a start before this one (rank 0, with a fast tier: the listing the fast tier's
+        lineage made). Without one, and without a step, the durable directory is new or was emptied: what the fast
+        tier holds for it is a deleted run's."""
+        return self._first_attempt is not None
 
     def _acquire_and_list(self, force: bool) -> layout.Listing:
         """Rank 0's start-up I/O: take the lease while another thread lists the steps and reads their manifests down to
