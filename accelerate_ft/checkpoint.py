@@ -129,6 +129,7 @@ class FaultTolerantCheckpoint:
         self._rng_after_resume: dict[str, Any] | None = None
         self._prefetched: list[dict[str, Any]] = []
         self._reader: data.EpochReader | None = None
+        self._in_batch: int | None = None  # the index of the batch the loop is in (its iterator suspended), or None
         self._saves_to_report: list[SaveStats] = []
         self.state = accelerator_state(accelerator)
         self.state["progress"] = _Progress(self)
@@ -174,8 +175,8 @@ class FaultTolerantCheckpoint:
         while self.epoch < num_epochs:
             epoch = self.epoch
             yield epoch
-            if self.epoch == epoch:  # batches() did not run to the end (a break, or not called)
-                self._start_next_epoch()
+            if self.epoch == epoch:  # batches() did not run to the end (a break, an iterator kept, not called)
+                self._leave_epoch()
         self._save_final()
         self.manager.wait()
         self._report_commits()
@@ -221,12 +222,16 @@ class FaultTolerantCheckpoint:
         """
         reader = self._open_epoch(loader, replay_in_workers)
         for index, batch in reader:
-            self._stepped = False
+            self._stepped, self._in_batch = False, index
             try:
                 yield index, batch
             except GeneratorExit:  # the loop broke out (or returned) after this batch
-                self._count_step(index)
+                if self._reader is reader:  # not yet counted by _leave_epoch (an iterator closed after its epoch)
+                    self._count_step(index)
                 raise
+            if self._reader is not reader:
+                return  # its epoch was left (_leave_epoch) while this iterator was kept: it has no more batches
+            self._in_batch = None
             self._batches_done = index + 1
             self._after_batch()
         self._start_next_epoch()
@@ -287,6 +292,14 @@ class FaultTolerantCheckpoint:
                         "batch in ft.enumerate(loader) continues the index at %d", self.epoch, self._batches_done,
                         self._batches_done)
 
+    def _leave_epoch(self) -> None:
+        """The epoch ends before its last batch: a ``break`` (its iterator already closed), or an iterator the loop
+        keeps in a variable (``it = ft.batches(loader)``; ``next(it)``), which is closed only when the next epoch's
+        replaces it. The batch it is in is counted now, so the next epoch starts at its first batch."""
+        if self._in_batch is not None:
+            self._count_step(self._in_batch)
+        self._start_next_epoch()
+
     def _start_next_epoch(self) -> None:
         self.epoch += 1
         self._batches_done = 0
@@ -307,6 +320,7 @@ class FaultTolerantCheckpoint:
     def _count_step(self, index: int) -> None:
         """The loop left during batch ``index`` (a ``break``): count it if its optimizer step ran, so that the
         counters match the weights a final save writes; no save here."""
+        self._in_batch = None
         if self.accelerator.sync_gradients and self._step_hooks and self._stepped:
             self._batches_done = index + 1
             self.global_step += 1

@@ -369,6 +369,34 @@ def test_a_loop_that_breaks_after_a_step_ends_with_that_step_saved(make_accelera
         assert train(ft, acc, model, opt, loader) == [6, 7]  # the last two batches of the epoch
 
 
+@pytest.mark.parametrize("per_epoch", [6, 8])
+def test_an_iterator_kept_past_its_epoch_leaves_the_next_epoch_whole(make_accelerator, clean_env, tmp_path, per_epoch):
+    """A loop that keeps the batch iterator in a variable (``it = ft.batches(loader)``; ``next(it)``, as Accelerate's
+    ``gradient_accumulation_for_autoregressive_models.py``) and takes 6 or all 8 batches of each epoch without running
+    it to its end: the iterator is closed only when the next epoch's replaces it. It counted its last batch into the
+    next epoch, which then skipped as many batches (all 8 of them: StopIteration in the user's ``next``)."""
+    url = str(tmp_path / "ckpt")
+    acc = make_accelerator()
+    model, opt, loader = prepared(acc, batches=8)
+    seen = []
+    with FaultTolerantCheckpoint(acc, url, interval=4) as ft:
+        for epoch in ft.epochs(3):
+            it = ft.batches(loader)
+            for _ in range(per_epoch):
+                x = next(it)
+                seen.append((epoch, ft.batches_done))
+                acc.backward(model(x).sum())
+                opt.step()
+                opt.zero_grad()
+    assert seen == [(epoch, i) for epoch in range(3) for i in range(per_epoch)]
+    assert ft.global_step == 3 * per_epoch and committed_steps(ft.manager.storage)[-1] == 3 * per_epoch
+
+    acc = make_accelerator()
+    model, opt, loader = prepared(acc, batches=8)
+    with FaultTolerantCheckpoint(acc, url, interval=4) as ft:
+        assert (ft.resumed_from, ft.epoch) == (3 * per_epoch, 3)
+
+
 def test_a_resume_loads_a_fresh_adams_state_without_stepping_it(make_accelerator, clean_env, tmp_path):
     """Issue 27: DCP's state-dict helpers created a fresh optimizer's state by a step over zero gradients before
     a resume could load into it (a full Adam step and a zero tensor per parameter: most of the Accelerate
