@@ -205,8 +205,7 @@ class ShardWriter(StorageWriter):
         if len(jobs) <= 1:
             results = [self._write_file(name, items, sink, planner) for name, items, sink in jobs]
         else:
-            with ThreadPoolExecutor(len(jobs), thread_name_prefix="ft-checkpoint-shard") as pool:
-                results = list(pool.map(lambda job: self._write_file(job[0], job[1], job[2], planner), jobs))
+            results = _each_on_a_thread(lambda job: self._write_file(job[0], job[1], job[2], planner), jobs)
         if self.storage.is_local and jobs:
             jobs[0][2].sync_dir(self.rel)  # the files' directory entries are durable before the manifest
         future: Future[list[WriteResult]] = Future()
@@ -236,6 +235,29 @@ class ShardWriter(StorageWriter):
         self.storage.write_bytes(f"{self.rel}/{layout.METADATA}", data, atomic=False)
         self.files = _file_entries(written)
         self.files[layout.METADATA] = layout.FileEntry(size=len(data), checksum=layout.checksum([data]))
+
+
+def _each_on_a_thread(fn: Callable[[Any], Any], jobs: list[Any]) -> list[Any]:
+    """``[fn(job) for job in jobs]``, each job on a thread of its own; the first error is raised. Threads, not an
+    executor: once the interpreter starts to exit, executors take no new work ("cannot schedule new futures after
+    interpreter shutdown"), and a save settled then (a loop without ``with`` that raised) must still be written."""
+    results: list[Any] = [None] * len(jobs)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = fn(jobs[i])
+        except BaseException as e:  # raised on the calling thread, below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"ft-checkpoint-shard-{i}") for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
 
 
 def _bins(items: list[Any], n: int) -> list[list[Any]]:

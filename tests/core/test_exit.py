@@ -41,3 +41,34 @@ def test_a_manager_left_open_is_closed_at_exit(tmp_path, ending, clean):
     assert ("clean_end" in events) == clean, events
     assert not Storage(url).exists(LEASE), "the lease was left behind"
     assert events.count("commit") == 2  # steps 2 and 4, the last one drained at exit
+
+
+LAZY_LOOP = """
+import sys, torch
+sys.path.insert(0, {root!r})
+from ft_checkpoint import CheckpointManager
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+opt = torch.optim.AdamW(model.parameters())
+ckpt = CheckpointManager({url!r}, interval=3, writers=2)
+state = {{"model": model, "optim": opt}}
+for step in range(1, 6):
+    if step == 4:
+        raise ValueError("a bug in the training step after the save")
+    model(torch.ones(2, 64)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    ckpt.maybe_save(step, state)
+"""
+
+
+def test_an_uncaught_exception_right_after_a_save_still_commits_it(tmp_path):
+    """The save of step 3 is in flight (its lazy copy settles at exit, two writer threads) when the loop raises:
+    its write ran after Python's exit handler for ``concurrent.futures``, whose executors then refuse new work, and
+    failed ("cannot schedule new futures after interpreter shutdown"): a restart started fresh."""
+    url = str(tmp_path / "ckpt")
+    proc = subprocess.run([sys.executable, "-c", LAZY_LOOP.format(root=ROOT, url=url)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "ValueError" in proc.stderr, proc.stderr
+    assert "failed too" not in proc.stderr, proc.stderr
+    assert [e.get("step") for e in read_journal(Storage(url)) if e["event"] == "commit"] == [3], proc.stderr
