@@ -38,6 +38,7 @@ from accelerate_ft.plugin import FaultTolerantCheckpointPlugin
 from accelerate_ft.state import accelerator_state
 from ft_checkpoint import CheckpointManager, ConfigError, SavePolicy, SaveStats
 from ft_checkpoint.config import DEFAULT_SUBDIR, check_names, given
+from ft_checkpoint.save.snapshot import settle_all as settle_snapshots
 from ft_checkpoint.state import rng_state
 
 if TYPE_CHECKING:
@@ -228,12 +229,14 @@ class FaultTolerantCheckpoint:
             except GeneratorExit:  # the loop broke out (or returned) after this batch
                 if self._reader is reader:  # not yet counted by _leave_epoch (an iterator closed after its epoch)
                     self._count_step(index)
+                    settle_snapshots()
                 raise
             if self._reader is not reader:
                 return  # its epoch was left (_leave_epoch) while this iterator was kept: it has no more batches
             self._in_batch = None
             self._batches_done = index + 1
             self._after_batch()
+        settle_snapshots()  # an epoch's end: EMA weights swapped in for validation through .data (no version counter)
         self._start_next_epoch()
 
     @property

@@ -397,6 +397,41 @@ def test_an_iterator_kept_past_its_epoch_leaves_the_next_epoch_whole(make_accele
         assert (ft.resumed_from, ft.epoch) == (3 * per_epoch, 3)
 
 
+def test_weights_swapped_in_through_data_at_an_epochs_end_stay_out_of_its_last_save(make_accelerator, clean_env,
+                                                                                    tmp_path):
+    """diffusers' validation with EMA weights at an epoch's end (``EMAModel.store``/``copy_to``/``restore`` edit the
+    parameters through ``.data``, which moves no version counter) right after the save of the epoch's last step: its
+    lazy copy, still running, took some of the EMA weights. The hook settles the copy when the epoch's batches end."""
+    url = str(tmp_path / "ckpt")
+
+    def build():
+        acc = make_accelerator()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+        opt = torch.optim.AdamW(model.parameters())
+        loader = torch.utils.data.DataLoader(torch.randn(16, 1024), batch_size=4)
+        return (acc, *acc.prepare(model, opt, loader))
+
+    acc, model, opt, loader = build()
+    with FaultTolerantCheckpoint(acc, url, interval=4) as ft:
+        for _ in ft.epochs(1):
+            for x in ft.batches(loader):
+                acc.backward(model(x).pow(2).mean())
+                opt.step()
+                opt.zero_grad()
+            trained = [p.detach().clone() for p in model.parameters()]
+            for p in model.parameters():
+                p.data.copy_(torch.full_like(p, 7.0))  # the EMA weights in, for validation
+            for p, t in zip(model.parameters(), trained):
+                p.data.copy_(t)  # and the trained ones back
+    assert committed_steps(ft.manager.storage) == [4]
+
+    acc, model, opt, loader = build()
+    with FaultTolerantCheckpoint(acc, url, interval=4) as ft:
+        assert ft.resumed_from == 4
+        assert all(torch.equal(p, t) for p, t in zip(model.parameters(), trained)), "EMA weights in the save"
+
+
 def test_a_resume_loads_a_fresh_adams_state_without_stepping_it(make_accelerator, clean_env, tmp_path):
     """Issue 27: DCP's state-dict helpers created a fresh optimizer's state by a step over zero gradients before
     a resume could load into it (a full Adam step and a zero tensor per parameter: most of the Accelerate
