@@ -87,6 +87,23 @@ def base_loader(loader: Any) -> DataLoader | None:
     return loader
 
 
+def batches_to_skip(loader: Any, steps: int) -> int:
+    """What to pass ``skip_first_batches(loader, n)`` to skip ``loader``'s first ``steps`` batches.
+
+    ``steps`` itself, except for a dispatching loader (``dispatch_batches``) of a map-style dataset without
+    ``split_batches``: each of its steps takes ``num_processes`` batches of its batch sampler (the main process
+    loads one for each process), and ``skip_first_batches`` skips batches of that sampler.
+    """
+    try:
+        from accelerate.data_loader import DataLoaderDispatcher
+    except ImportError:
+        return steps
+    if isinstance(loader, DataLoaderDispatcher) and not loader.split_batches \
+            and not isinstance(loader.dataset, IterableDataset):
+        return steps * loader.state.num_processes
+    return steps
+
+
 def rebuild(loader: Any, batch_sampler: Any, *, in_main_process: bool = False) -> Any:
     """A loader like ``loader`` that takes its batches of indices from ``batch_sampler``; None if unsupported.
 

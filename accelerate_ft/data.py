@@ -91,7 +91,8 @@ def decode_rng_state(plain: dict[str, Any]) -> dict[str, Any]:
 # -- the shuffle order ---------------------------------------------------------------------------------
 def sampler_of(loader: Any) -> Any:
     """The innermost index sampler of a (prepared) DataLoader, or None."""
-    node = getattr(loader, "batch_sampler", None) or getattr(loader, "sampler", None)
+    node = getattr(loader, "batch_sampler", None)  # not ``or``: a sampler's truth is its len(), which an
+    node = getattr(loader, "sampler", None) if node is None else node  # IterableDataset's sampler has not
     for _ in range(4):  # BatchSamplerShard -> BatchSampler -> sampler
         if node is None:
             return None
@@ -276,7 +277,7 @@ class EpochReader:
             return self.loader
         from accelerate import skip_first_batches
 
-        return skip_first_batches(self.loader, self.skip)
+        return skip_first_batches(self.loader, internals.batches_to_skip(self.loader, self.skip))
 
     def _run_sampler_through(self) -> None:
         """A resume on the end of an epoch: create the finished epoch's iterator and run its index sampler to

@@ -99,6 +99,25 @@ def test_manual_gradient_accumulation_resumes_exactly(tmp_path, reference):
         assert (position["batches_done"] - 1) % 4 == 0, f"saved in the middle of an accumulation: {position}"
 
 
+def test_an_iterable_dataset_resumes_exactly(tmp_path, reference):
+    """An ``IterableDataset`` (no sampler, no len): the hook crashed at the first epoch (``object of type
+    '_InfiniteConstantSampler' has no len()``). A resume skips the stream's consumed batches; kills fall in the
+    first and in the third epoch."""
+    args = ["--iterable"]
+    out = str(tmp_path / "out")
+    attempts = run_until_done(out, str(tmp_path / "ckpt"), [10, 55], *args)
+
+    assert attempts[-1].resumed_from() is not None
+    assert_bit_identical(final(out), reference("--interval", INTERVAL, *args))
+
+
+def test_dispatch_batches_on_two_ranks_resumes_exactly(tmp_path):
+    """``DataLoaderConfiguration(dispatch_batches=True)``: rank 0 loads both ranks' batches of each step.
+    ``skip_first_batches(loader, n)`` skips n batches of its sampler, half the 2n the ranks had consumed: the
+    resumed run trained again on batches it had trained on, with no warning."""
+    run_pair(tmp_path, "--dispatch-batches")
+
+
 def journal_ends(ckpt: str) -> list[list[str]]:
     """Per attempt, oldest first, its events."""
     attempts: dict[str, list[str]] = {}

@@ -7,7 +7,8 @@ Trains a small MLP with dropout (so the RNG matters), AdamW, a StepLR schedule a
 DataLoader whose samples carry their index. Options add the patterns of real scripts: random
 augmentation inside ``Dataset.__getitem__`` (``--augment``, with ``--workers N``), BatchNorm
 (``--batchnorm``), manual gradient accumulation without ``accelerator.accumulate`` (``--manual-accum N``,
-as in Accelerate's ``complete_nlp_example.py``), and the README quickstart without ``with`` or
+as in Accelerate's ``complete_nlp_example.py``), an iterable dataset (``--iterable``), Accelerate's
+``dispatch_batches`` (``--dispatch-batches``), and the README quickstart without ``with`` or
 ``close()`` (``--no-close``). ``--kill-at N`` SIGKILLs the process at the top of the
 loop body of micro-batch N (counted over all epochs), so a save may be in flight; ``--signal-at N``
 sends ``--signal`` (a preemption notice) there instead. Without ``--dirpath``
@@ -56,11 +57,23 @@ def parse() -> argparse.Namespace:
     p.add_argument("--loader-generator", action="store_true", help="DataLoader(generator=...) owns the shuffle")
     p.add_argument("--augment", action="store_true", help="random augmentation inside Dataset.__getitem__")
     p.add_argument("--workers", type=int, default=0, help="DataLoader(num_workers=...)")
+    p.add_argument("--iterable", action="store_true", help="the samples as an IterableDataset (no shuffle, no len)")
+    p.add_argument("--dispatch-batches", action="store_true", help="DataLoaderConfiguration(dispatch_batches=True)")
     p.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d layer (buffers that differ per rank)")
     p.add_argument("--manual-accum", type=int, help="step every N batches by hand, without accelerator.accumulate")
     p.add_argument("--no-close", action="store_true", help="the README quickstart: no `with`, no close()")
     p.add_argument("--fail-at-end", action="store_true", help="raise an exception after training (no close)")
     return p.parse_args()
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """The samples of ``data`` as a stream, in their order: an iterable dataset has no sampler and no len."""
+
+    def __init__(self, data: IndexedData) -> None:
+        self.data = data
+
+    def __iter__(self):
+        return (self.data[i] for i in range(len(self.data)))
 
 
 def build_model(acc: Accelerator, fsdp2: bool, batchnorm: bool = False) -> torch.nn.Module:
@@ -93,12 +106,13 @@ def train(args: argparse.Namespace, acc: Accelerator, ft: FaultTolerantCheckpoin
     """The training loop: ``accelerator.accumulate`` (``--ga``), or manual accumulation (``--manual-accum``)."""
     report(args.out, event="start", resumed_from=ft.resumed_from, epoch=ft.epoch, batches_done=ft.batches_done,
            source=ft.manager.resumed_source)
+    per_epoch = -(-args.samples // 4) if args.iterable else len(loader)  # a stream has no len
     for _ in ft.epochs(args.epochs):
         for step, (x, y, index) in ft.enumerate(loader):
-            if should_kill(args, acc, ft.epoch * len(loader) + ft.batches_done):
+            if should_kill(args, acc, ft.epoch * per_epoch + ft.batches_done):
                 report(args.out, event="killed", global_step=ft.global_step)
                 os.kill(os.getpid(), signal.SIGKILL)
-            if args.signal_at == ft.epoch * len(loader) + ft.batches_done:
+            if args.signal_at == ft.epoch * per_epoch + ft.batches_done:
                 os.kill(os.getpid(), signal.Signals[args.signal])  # a preemption notice
             record["seen"].append(index.tolist())
             record["inputs"].append(x.clone())
@@ -125,15 +139,19 @@ def main() -> None:
         signal.signal(signal.SIGTERM, lambda *_: open(args.user_sigterm_marker, "a").write("ran\n"))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     set_seed(0)
-    data_config = DataLoaderConfiguration(use_seedable_sampler=True) if args.seedable else None
+    data_config = DataLoaderConfiguration(use_seedable_sampler=args.seedable, dispatch_batches=args.dispatch_batches
+                                          or None)
     acc = Accelerator(cpu=True, gradient_accumulation_steps=args.ga, dataloader_config=data_config)
     data = IndexedData(args.samples, augment=args.augment)
     model = build_model(acc, args.fsdp2, args.batchnorm)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
     generator = torch.Generator().manual_seed(5) if args.loader_generator else None
-    loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True, generator=generator,
-                                         num_workers=args.workers)
+    if args.iterable:
+        loader = torch.utils.data.DataLoader(Stream(data), batch_size=4, num_workers=args.workers)
+    else:
+        loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True, generator=generator,
+                                             num_workers=args.workers)
     if args.fsdp2:  # Accelerate has no FSDP on CPU and would wrap the sharded model in DDP: register it as is
         opt, sched, loader = acc.prepare(opt, sched, loader)
         acc._models.append(model)
