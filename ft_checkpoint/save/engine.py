@@ -524,4 +524,7 @@ def _check_replicated(prints: list[dict[str, int]]) -> None:
             f"{len(differ)} tensor(s) of the shared state differ across ranks: {', '.join(differ[:5])}"
             f"{', ...' if len(differ) > 5 else ''}. A tensor in the state is saved once, as replicated, and would "
             "come back as one rank's value on every rank. HINT: pass values that differ by rank (a prefetched "
-            "batch, per-rank statistics) in per_rank=, e.g. save(step, state, per_rank={'batch': x})")
+            "batch, per-rank statistics) in per_rank=, e.g. save(step, state, per_rank={'batch': x}); model weights "
+            "or optimizer state that differ mean the ranks train apart (Accelerate's LocalSGD between its averaging "
+            "steps, and always for an optimizer with state, such as AdamW's moments, which it never averages): "
+            "save only where they agree")

@@ -21,6 +21,7 @@ the sample indices and inputs this attempt trained on. What happened is reported
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -28,6 +29,7 @@ import sys
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.local_sgd import LocalSGD
 from accelerate.utils import set_seed
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -59,6 +61,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=0, help="DataLoader(num_workers=...)")
     p.add_argument("--iterable", action="store_true", help="the samples as an IterableDataset (no shuffle, no len)")
     p.add_argument("--dispatch-batches", action="store_true", help="DataLoaderConfiguration(dispatch_batches=True)")
+    p.add_argument("--local-sgd", type=int, help="Accelerate's LocalSGD, averaging every N steps (made per epoch)")
+    p.add_argument("--sgd", action="store_true", help="plain SGD (no state) instead of AdamW")
     p.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d layer (buffers that differ per rank)")
     p.add_argument("--manual-accum", type=int, help="step every N batches by hand, without accelerator.accumulate")
     p.add_argument("--no-close", action="store_true", help="the README quickstart: no `with`, no close()")
@@ -103,34 +107,43 @@ def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict
 
 def train(args: argparse.Namespace, acc: Accelerator, ft: FaultTolerantCheckpoint, model, opt, sched, loader,
           record: dict) -> None:
-    """The training loop: ``accelerator.accumulate`` (``--ga``), or manual accumulation (``--manual-accum``)."""
+    """The training loop, each epoch under Accelerate's ``LocalSGD`` with ``--local-sgd``."""
     report(args.out, event="start", resumed_from=ft.resumed_from, epoch=ft.epoch, batches_done=ft.batches_done,
            source=ft.manager.resumed_source)
     per_epoch = -(-args.samples // 4) if args.iterable else len(loader)  # a stream has no len
     for _ in ft.epochs(args.epochs):
-        for step, (x, y, index) in ft.enumerate(loader):
-            if should_kill(args, acc, ft.epoch * per_epoch + ft.batches_done):
-                report(args.out, event="killed", global_step=ft.global_step)
-                os.kill(os.getpid(), signal.SIGKILL)
-            if args.signal_at == ft.epoch * per_epoch + ft.batches_done:
-                os.kill(os.getpid(), signal.Signals[args.signal])  # a preemption notice
-            record["seen"].append(index.tolist())
-            record["inputs"].append(x.clone())
-            record["ran"] += 1
-            if args.manual_accum:  # complete_nlp_example.py: no accelerator.accumulate
-                loss = torch.nn.functional.mse_loss(model(x), y) / args.manual_accum
-                acc.backward(loss)
-                if step % args.manual_accum == 0:
-                    opt.step()
-                    sched.step()
-                    opt.zero_grad()
-                continue
-            with acc.accumulate(model):
-                loss = torch.nn.functional.mse_loss(model(x), y)
-                acc.backward(loss)
+        with LocalSGD(acc, model, args.local_sgd) if args.local_sgd else contextlib.nullcontext() as local_sgd:
+            train_epoch(args, acc, ft, model, opt, sched, loader, record, per_epoch, local_sgd)
+
+
+def train_epoch(args: argparse.Namespace, acc: Accelerator, ft: FaultTolerantCheckpoint, model, opt, sched, loader,
+                record: dict, per_epoch: int, local_sgd: LocalSGD | None) -> None:
+    """One epoch: ``accelerator.accumulate`` (``--ga``), or manual accumulation (``--manual-accum``)."""
+    for step, (x, y, index) in ft.enumerate(loader):
+        if should_kill(args, acc, ft.epoch * per_epoch + ft.batches_done):
+            report(args.out, event="killed", global_step=ft.global_step)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if args.signal_at == ft.epoch * per_epoch + ft.batches_done:
+            os.kill(os.getpid(), signal.Signals[args.signal])  # a preemption notice
+        record["seen"].append(index.tolist())
+        record["inputs"].append(x.clone())
+        record["ran"] += 1
+        if args.manual_accum:  # complete_nlp_example.py: no accelerator.accumulate
+            loss = torch.nn.functional.mse_loss(model(x), y) / args.manual_accum
+            acc.backward(loss)
+            if step % args.manual_accum == 0:
                 opt.step()
                 sched.step()
                 opt.zero_grad()
+            continue
+        with acc.accumulate(model):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            acc.backward(loss)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        if local_sgd is not None:
+            local_sgd.step()
 
 
 def main() -> None:
@@ -144,7 +157,7 @@ def main() -> None:
     acc = Accelerator(cpu=True, gradient_accumulation_steps=args.ga, dataloader_config=data_config)
     data = IndexedData(args.samples, augment=args.augment)
     model = build_model(acc, args.fsdp2, args.batchnorm)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2) if args.sgd else torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
     generator = torch.Generator().manual_seed(5) if args.loader_generator else None
     if args.iterable:
