@@ -63,6 +63,11 @@ if TYPE_CHECKING:  # the fast tier is imported only where one may be configured 
 
 log = logging.getLogger(__name__)
 
+_saved_by_this_process: dict[str, int] = {}
+"""The checkpoint directories (URLs) a manager of this process saved to, each with the newest step it saved there: a
+later manager of this process that resumes from one warns (a new training of the same process in the same directory,
+a cross-validation's next fold or a retry with another batch size, would continue the earlier one)."""
+
 
 class CheckpointManager:
     """Asynchronous, fault-tolerant checkpoints of a training loop in one directory.
@@ -374,6 +379,7 @@ class CheckpointManager:
         stats = self.engine.save(step, tree, per_rank=ranked, owned=rng, files=stage_files, manifest_fields=fields,
                                  listener=self._events, called_at=called_at, durable=durable, tier_write=tier_write)
         self.last_save = stats
+        _saved_by_this_process[self.storage.url] = step
         if fast_save is not None:
             fast_save.stall = stats.stall
         if durable:
@@ -541,8 +547,19 @@ class CheckpointManager:
         self.loaded = f"{human_bytes(manifest.total_bytes)} verified and loaded in {human_seconds(seconds)}"
         if self.rank == 0:
             log.debug("resuming from step %d (%s): %s", manifest.step, source, self.loaded)
+            self._warn_if_saved_by_this_process(manifest.step)
         self._announce_start()
         return manifest.step
+
+    def _warn_if_saved_by_this_process(self, step: int) -> None:
+        """A resume from a directory an earlier manager of this process saved to: usually a new training that was
+        meant to start fresh (the next fold of a cross-validation, a retry with a smaller batch size, a notebook
+        cell run again), which would continue the earlier one's weights and position instead."""
+        if self.storage.url in _saved_by_this_process:
+            log.warning("resuming from step %d of %s, which this process saved (a checkpoint manager before this "
+                        "one): the training goes on from there. HINT: a new training in the same process (the next "
+                        "fold of a cross-validation, a retry with another batch size) needs a dirpath of its own",
+                        step, self.storage.url)
 
     def _hint_runs_below(self) -> None:
         """A fresh start in a directory without a step, but with folders right below it that hold steps (a run's

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 import ft_checkpoint.testing.faults  # noqa: F401 - registers faulty:// for the tests (a user's install has none)
+from ft_checkpoint import manager
 from ft_checkpoint.testing import servers
 
 
@@ -22,6 +23,21 @@ def pytest_ignore_collect(collection_path, config):
     if collection_path.suffix == ".py" and not collection_path.name.startswith(("test_", "conftest")):
         return True
     return None
+
+
+class _Forgotten(dict):
+    """Keeps nothing: see :func:`each_manager_as_if_in_a_new_process`."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+
+@pytest.fixture(autouse=True)
+def each_manager_as_if_in_a_new_process(monkeypatch):
+    """Tests restart a job in their own process where a user's job would start a new one: the directories an earlier
+    manager of this process saved to (a resume from one warns) are not kept, except where a test asks for them
+    (``tests/core/test_careless_calls.py``)."""
+    monkeypatch.setattr(manager, "_saved_by_this_process", _Forgotten())
 
 
 @pytest.fixture(scope="session")
