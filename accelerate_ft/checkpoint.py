@@ -131,6 +131,8 @@ class FaultTolerantCheckpoint:
         self._prefetched: list[dict[str, Any]] = []
         self._reader: data.EpochReader | None = None
         self._in_batch: int | None = None  # the index of the batch the loop is in (its iterator suspended), or None
+        self._epoch_batches: int | None = None  # the batches of the current epoch's loader (None: it has no len)
+        self._saved_epoch_batches: int | None = None  # on a resume, those of the run that saved
         self._saves_to_report: list[SaveStats] = []
         self.state = accelerator_state(accelerator)
         self.state["progress"] = _Progress(self)
@@ -277,11 +279,24 @@ class FaultTolerantCheckpoint:
                         self.epoch)
         else:
             self._epoch_start = data.capture_epoch_start(loader)
+        self._epoch_batches = data.batches_per_epoch(loader)
+        if resume_rng is not None:
+            self._warn_if_the_epoch_changed_length()
         prefetched = self._prefetched if self.plugin.save_rng_state else []  # save_rng_state=False: no RNG restored
         self._reader = data.EpochReader(loader, self._batches_done, resume_rng=resume_rng, prefetched=prefetched,
                                         replay_in_workers=replay_in_workers, epoch=self.epoch)
         self._prefetched = []
         return self._reader
+
+    def _warn_if_the_epoch_changed_length(self) -> None:
+        """A resume whose loader has another number of batches than the run that saved (another batch size, another
+        dataset: a restart after ``find_executable_batch_size`` chose a smaller batch): its position is off."""
+        saved, now = self._saved_epoch_batches, self._epoch_batches
+        if saved is not None and now is not None and saved != now and self.manager.rank == 0:
+            log.warning("the checkpoint's epoch had %d batches per process, this run's loader has %d (another batch "
+                        "size or dataset): model and optimizer are restored, but epoch %d resumes after batch %d of "
+                        "%d, which is not where the saved run was in its data", saved, now, self.epoch,
+                        self._batches_done, now)
 
     def _warn_if_an_index_restarts(self) -> None:
         """In an epoch resumed mid-way by a loop that accumulates by hand: ``enumerate(ft.batches(loader))`` would
@@ -383,7 +398,7 @@ class _Progress:
                 "prefetched_rng": reader.prefetched(hook._batches_done) if reader is not None else [],
                 "accumulates_by_hand": hook._accumulates_by_hand,
                 "accumulation_step": acc.step, "gradient_accumulation_steps": acc.gradient_accumulation_steps,
-                "num_processes": acc.num_processes}
+                "num_processes": acc.num_processes, "epoch_batches": hook._epoch_batches}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         hook, acc = self.hook, self.hook.accelerator
@@ -391,6 +406,7 @@ class _Progress:
         hook._batches_done, hook._epoch_start = state["batches_done"], state["epoch_start"]
         hook._prefetched = state.get("prefetched_rng", [])  # absent in checkpoints saved by 0.1.0
         hook._accumulates_by_hand = state.get("accumulates_by_hand", False)  # absent in older checkpoints
+        hook._saved_epoch_batches = state.get("epoch_batches")  # absent in older checkpoints
         acc.step = state["accumulation_step"]
         for name, now in (("num_processes", acc.num_processes),
                           ("gradient_accumulation_steps", acc.gradient_accumulation_steps)):

@@ -139,7 +139,8 @@ def set_epoch(loader: Any, epoch: int) -> None:
         sampler.set_epoch(epoch)
 
 
-def _length(loader: Any) -> int | None:
+def batches_per_epoch(loader: Any) -> int | None:
+    """``len(loader)``, or None for a loader without a length (an iterable dataset)."""
     try:
         return len(loader)
     except TypeError:  # an iterable dataset
@@ -243,7 +244,7 @@ class EpochReader:
 
     def _open(self) -> tuple[int, Iterable[Any]]:
         """``(index of its first batch, the iterable)`` for this epoch."""
-        length, workers = _length(self.loader), getattr(self.loader, "num_workers", 0)
+        length, workers = batches_per_epoch(self.loader), getattr(self.loader, "num_workers", 0)
         if length is not None and 0 < length <= self.skip:
             self._run_sampler_through()
             return self.skip, ()

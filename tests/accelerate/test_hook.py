@@ -432,6 +432,28 @@ def test_weights_swapped_in_through_data_at_an_epochs_end_stay_out_of_its_last_s
         assert all(torch.equal(p, t) for p, t in zip(model.parameters(), trained)), "EMA weights in the save"
 
 
+def test_a_restart_with_another_batch_size_warns_that_the_position_is_off(make_accelerator, clean_env, tmp_path,
+                                                                          caplog):
+    """A job restarted with a smaller batch (``find_executable_batch_size`` after an out-of-memory error) resumed "3
+    batches done" of a loader whose batches are other samples, without a word."""
+    url = str(tmp_path / "ckpt")
+    acc = make_accelerator()
+    model, opt, loader = prepared(acc, batches=8)
+    with FaultTolerantCheckpoint(acc, url, interval=3) as ft:
+        train(ft, acc, model, opt, loader, stop_after=4)
+    assert committed_steps(ft.manager.storage)[0] == 3
+
+    caplog.set_level(logging.WARNING, logger="accelerate_ft")
+    acc = make_accelerator()
+    model = torch.nn.Linear(4, 1)
+    model, opt, loader = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                     torch.utils.data.DataLoader(torch.randn(32, 4), batch_size=2, shuffle=True))
+    with FaultTolerantCheckpoint(acc, url, interval=3) as ft:
+        assert ft.resumed_from == 4
+        train(ft, acc, model, opt, loader, stop_after=1)
+    assert "had 8 batches per process, this run's loader has 16" in caplog.text, caplog.text
+
+
 def test_a_resume_loads_a_fresh_adams_state_without_stepping_it(make_accelerator, clean_env, tmp_path):
     """Issue 27: DCP's state-dict helpers created a fresh optimizer's state by a step over zero gradients before
     a resume could load into it (a full Adam step and a zero tensor per parameter: most of the Accelerate
