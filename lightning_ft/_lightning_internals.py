@@ -182,11 +182,44 @@ def restart_epoch_start_callbacks(trainer: pl.Trainer) -> None:
 
 
 def epoch_metrics_of_batches(trainer: pl.Trainer) -> list[str]:
-    """The training metrics logged with ``on_epoch=True`` from the epoch's batches (not from ``on_train_epoch_end``):
-    Lightning aggregates them in ``fit_loop.epoch_loop._results``, which no checkpoint holds."""
+    """The training metrics logged as tensors with ``on_epoch=True`` from the epoch's batches (not from
+    ``on_train_epoch_end``): Lightning aggregates them in ``fit_loop.epoch_loop._results``, which no checkpoint holds
+    (a torchmetrics object logged so keeps its own state: see :func:`metric_states`)."""
     results = trainer.fit_loop.epoch_loop._results
-    metas = [getattr(m, "meta", None) for m in results.values()]
+    metas = [getattr(m, "meta", None) for m in results.values() if getattr(m, "is_tensor", True)]
     return sorted({m.name for m in metas if m is not None and m.on_epoch and m.fx != "on_train_epoch_end"})
+
+
+def _metric_class() -> type | None:
+    """torchmetrics' ``Metric``, or None where nothing imported torchmetrics (then the module holds no metric)."""
+    module = sys.modules.get("torchmetrics")
+    return getattr(module, "Metric", None) if module is not None else None
+
+
+def metric_states(module: Any) -> dict[str, dict[str, Any]]:
+    """What each torchmetrics ``Metric`` in ``module`` accumulated since its last ``reset``, by module name: its
+    states (the names in ``_defaults``) and ``_update_count``. A metric keeps them in non-persistent buffers and
+    attributes, which no checkpoint holds; a resume inside an epoch needs them for the epoch's value."""
+    metric = _metric_class()
+    if metric is None:
+        return {}
+    return {name: {"states": {k: getattr(m, k) for k in m._defaults}, "update_count": m._update_count}
+            for name, m in module.named_modules() if isinstance(m, metric)}
+
+
+def restore_metric_states(module: Any, saved: dict[str, dict[str, Any]] | None) -> None:
+    """Put back what :func:`metric_states` returned into the metrics of ``module`` of the same names (on their
+    devices); the value a metric had computed is dropped, as an ``update`` drops it."""
+    metric = _metric_class()
+    if metric is None or not saved:
+        return
+    for name, m in module.named_modules():
+        if not isinstance(m, metric) or name not in saved:
+            continue
+        for key, value in saved[name]["states"].items():
+            if key in m._defaults:
+                setattr(m, key, [t.to(m.device) for t in value] if isinstance(value, list) else value.to(m.device))
+        m._update_count, m._computed = saved[name]["update_count"], None
 
 
 def let_plateau_schedulers_step(trainer: pl.Trainer) -> None:

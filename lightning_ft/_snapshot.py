@@ -15,7 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
 from lightning_ft import _lightning_internals as internals
 from lightning_ft._data import EpochStart
-from lightning_ft._state import rank0_buffers, to_core
+from lightning_ft._state import METRICS, rank0_buffers, to_core
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -34,6 +34,9 @@ class Snapshots:
         checkpoint = internals.dump_checkpoint(trainer)
         if loops is not None:
             checkpoint["loops"] = loops
+        metrics = internals.metric_states(trainer.lightning_module)
+        if metrics:
+            checkpoint[METRICS] = metrics
         engine = self.engine_state(trainer)
         if engine:  # the engine saves model and optimizer itself, as in Lightning's own DeepSpeed checkpoints
             checkpoint = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}

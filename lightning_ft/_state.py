@@ -43,6 +43,9 @@ LENIENT = ("hyper_parameters",)
 """Entries where a value that cannot be stored safely is dropped instead of raising."""
 PER_RANK_MAX_BYTES = 1 << 20
 """Tensors up to this size outside :data:`REPLICATED` are stored per rank."""
+METRICS = "lightning_ft_metrics"
+"""The entry of the saved dict that holds the torchmetrics states (each rank's own, synchronized only when computed:
+stored per rank whatever their size); taken out of the dict before Lightning restores it."""
 _TENSOR, _NDARRAY = "__lightning_ft_tensor__", "__lightning_ft_ndarray__"
 _PLAIN = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 
@@ -129,7 +132,8 @@ def _decode_ndarray(value: Any) -> Any:
 
 def _convert(value: Any, path: tuple[Any, ...], *, per_rank: bool, lenient: bool) -> Any:
     if isinstance(value, torch.Tensor):
-        if per_rank and not _is_dtensor(value) and value.numel() * value.element_size() <= PER_RANK_MAX_BYTES:
+        small = value.numel() * value.element_size() <= PER_RANK_MAX_BYTES
+        if per_rank and not _is_dtensor(value) and (small or path[0] == METRICS):
             return encode_tensor(value)
         return value.detach()
     numpy_value = _from_numpy(value)  # first: numpy.float64 is also a float

@@ -46,7 +46,7 @@ from lightning_ft import _messages as messages
 from lightning_ft._data import EpochStart
 from lightning_ft._on_exception import SafePoints, run_within
 from lightning_ft._snapshot import Snapshots
-from lightning_ft._state import check_model_tensors, from_core
+from lightning_ft._state import METRICS, check_model_tensors, from_core
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -386,14 +386,16 @@ class FaultTolerantCheckpoint(Checkpoint):
             return None
         self.resumed_from = step
         loader = from_core(state["loader"])
-        self._resume = {"rng": self.manager.resumed_rng,
+        checkpoint = from_core(state["lightning"])
+        self._resume = {"rng": self.manager.resumed_rng, "metrics": checkpoint.pop(METRICS, None),
                         "epoch_start": EpochStart.from_state(loader), "world_size": loader.get("world_size")}
-        return from_core(state["lightning"])
+        return checkpoint
 
     def _continue_epoch(self, trainer: pl.Trainer, resume: dict[str, Any]) -> None:
         """Put the data where the interrupted epoch stopped, then the RNG where the saved step left it."""
         start: EpochStart | None = resume["epoch_start"]
         self._epoch_start = start
+        internals.restore_metric_states(trainer.lightning_module, resume["metrics"])
         skip = internals.batches_done_in_epoch(trainer)
         messages.warn_world_size(trainer, resume["world_size"], skip)
         self._resumed_skip = skip

@@ -1,5 +1,6 @@
 """A Lightning job whose schedule depends on epoch-level hooks: ``ReduceLROnPlateau`` on ``val_loss``,
-``StochasticWeightAveraging``, or an ``EarlyStopping`` that stops in the middle of an epoch (see
+``StochasticWeightAveraging``, an ``EarlyStopping`` that stops in the middle of an epoch, or torchmetrics metrics
+accumulated over an epoch, one of them monitored by ``ReduceLROnPlateau`` (see
 ``test_epoch_hooks.py``).
 
     python tests/lightning/epoch_hooks_script.py DIRPATH OUT --pattern plateau [--kill-at STEP] [--no-callback]
@@ -19,6 +20,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torchmetrics
 from lightning.pytorch.callbacks import EarlyStopping, StochasticWeightAveraging
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -27,15 +29,32 @@ from lightning_ft import FaultTolerantCheckpoint
 
 
 class Net(pl.LightningModule):
-    def __init__(self, plateau: bool) -> None:
+    def __init__(self, plateau: bool, metrics: str | None = None) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 1))
-        self.plateau = plateau
+        self.plateau, self.metrics_file = plateau, metrics
+        if metrics is not None:  # torchmetrics: one computed by hand at the epoch's end, one logged as an object
+            self.train_mean, self.train_mae = torchmetrics.MeanMetric(), torchmetrics.MeanAbsoluteError()
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = nn.functional.mse_loss(self.net(batch[0]), batch[1])
+        prediction = self.net(batch[0])
+        loss = nn.functional.mse_loss(prediction, batch[1])
+        if self.metrics_file is not None:
+            self.train_mean.update(loss.detach())
+            self.train_mae(prediction.detach(), batch[1])
+            self.log("train_mae", self.train_mae, on_step=False, on_epoch=True)
+            return loss
         self.log("train_loss", loss, on_step=True, on_epoch=True)
         return loss
+
+    def on_train_epoch_end(self) -> None:
+        if self.metrics_file is None:
+            return
+        value = self.train_mean.compute()
+        self.log("train_mean", value)
+        self.train_mean.reset()
+        with open(self.metrics_file, "a") as f:
+            f.write(json.dumps({"epoch": self.current_epoch, "train_mean": float(value)}) + "\n")
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self.log("val_loss", nn.functional.mse_loss(self.net(batch[0]), batch[1]))
@@ -45,7 +64,8 @@ class Net(pl.LightningModule):
         if not self.plateau:
             return opt
         plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0, threshold=0.5)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": plateau, "monitor": "val_loss", "interval": "epoch"}}
+        monitor = "val_loss" if self.metrics_file is None else "train_mean"
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": plateau, "monitor": monitor, "interval": "epoch"}}
 
 
 class Record(pl.Callback):
@@ -71,7 +91,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("dirpath")
     p.add_argument("out")
-    p.add_argument("--pattern", choices=["plateau", "swa", "early_stop"], required=True)
+    p.add_argument("--pattern", choices=["plateau", "swa", "early_stop", "torchmetrics"], required=True)
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--no-callback", action="store_true")
     args = p.parse_args()
@@ -93,7 +113,8 @@ def main() -> None:
     trainer = pl.Trainer(callbacks=[Record(args, ft), *callbacks, *([ft] if ft else [])], accelerator="cpu",
                          devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, deterministic=True, enable_checkpointing=ft is not None, **options)
-    trainer.fit(Net(plateau=args.pattern == "plateau"), train, val)
+    metrics = os.path.join(args.out, "metrics.jsonl") if args.pattern == "torchmetrics" else None
+    trainer.fit(Net(plateau=args.pattern in ("plateau", "torchmetrics"), metrics=metrics), train, val)
 
 
 if __name__ == "__main__":

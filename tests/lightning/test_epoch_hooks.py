@@ -63,3 +63,24 @@ def test_a_restart_of_a_fit_that_stopped_early_inside_an_epoch_skips_no_batch_of
     assert f"(epoch {last['epoch'] + 1}, 0 batches of it done;" in output
     restarted = batches(str(tmp_path / "out"))[last["step"] + 1]
     assert (restarted["epoch"], restarted["batch_idx"]) == (last["epoch"] + 1, 0)
+
+
+def test_torchmetrics_accumulated_over_a_resumed_epoch_are_exact(tmp_path):
+    """A ``torchmetrics`` metric updated in ``training_step`` and computed at the epoch's end (by hand, monitored by
+    ``ReduceLROnPlateau``; and one logged as an object with ``on_epoch=True``): its running state lives in the metric
+    (non-persistent buffers, in no checkpoint), so the resumed epoch's value covered the batches since the resume
+    only, and the plateau decided otherwise, with no warning. The callback saves and restores each metric's state."""
+    train(tmp_path, "ref", "--pattern", "torchmetrics", "--no-callback")
+    train(tmp_path, "out", "--pattern", "torchmetrics", "--kill-at", 7, killed=True)
+    output = train(tmp_path, "out", "--pattern", "torchmetrics", "--kill-at", 22, killed=True)
+    train(tmp_path, "out", "--pattern", "torchmetrics")
+    with open(tmp_path / "ref" / "metrics.jsonl") as f:
+        want = [json.loads(line) for line in f]
+    with open(tmp_path / "out" / "metrics.jsonl") as f:
+        got = [json.loads(line) for line in f]
+    assert got == want, f"the epochs' metric values differ: {got} != {want}"
+    ref, out = batches(str(tmp_path / "ref")), batches(str(tmp_path / "out"))
+    assert all(ref[step] == out.get(step) for step in ref), "the batches or learning rates differ"
+    assert_same(torch.load(str(tmp_path / "ref" / "final.pt"), weights_only=False),
+                torch.load(str(tmp_path / "out" / "final.pt"), weights_only=False))
+    assert "aggregated over the batches since the resume only" not in " ".join(output.split())

@@ -193,3 +193,24 @@ def test_silence_midepoch_warning_is_scoped():
         undo()
         warnings.warn(internals.LIGHTNING_MIDEPOCH_WARNING + " and ...", UserWarning, stacklevel=1)
     assert len(caught) == 1
+
+
+def test_the_torchmetrics_state_a_resume_puts_back_is_the_metrics_whole_state():
+    """``metric_states``/``restore_metric_states`` read and set torchmetrics' ``_defaults`` names, ``_update_count``
+    and ``_computed``: a metric restored from them computes what the original does, and updates on from there."""
+    import torchmetrics
+
+    module = torch.nn.ModuleDict({"mean": torchmetrics.MeanMetric(), "cat": torchmetrics.CatMetric()})
+    for value in (1.0, 2.0, 6.0):
+        module["mean"].update(torch.tensor(value))
+        module["cat"].update(torch.tensor([value]))
+    saved = internals.metric_states(module)
+    assert set(saved) == {"mean", "cat"} and saved["mean"]["update_count"] == 3, saved
+
+    fresh = torch.nn.ModuleDict({"mean": torchmetrics.MeanMetric(), "cat": torchmetrics.CatMetric()})
+    fresh["mean"].update(torch.tensor(100.0))
+    fresh["mean"].compute()  # a value computed before the restore is not returned after it
+    internals.restore_metric_states(fresh, saved)
+    assert fresh["mean"].compute() == 3.0 and torch.equal(fresh["cat"].compute(), torch.tensor([1.0, 2.0, 6.0]))
+    fresh["mean"].update(torch.tensor(7.0))
+    assert fresh["mean"].compute() == 4.0 and fresh["mean"]._update_count == 4
