@@ -38,6 +38,7 @@ from accelerate_ft.plugin import FaultTolerantCheckpointPlugin
 from accelerate_ft.state import accelerator_state
 from ft_checkpoint import CheckpointManager, ConfigError, SavePolicy, SaveStats
 from ft_checkpoint.config import DEFAULT_SUBDIR, check_names, given
+from ft_checkpoint.save.pending_gradients import PendingGradients
 from ft_checkpoint.save.snapshot import settle_all as settle_snapshots
 from ft_checkpoint.state import rng_state
 
@@ -142,6 +143,7 @@ class FaultTolerantCheckpoint:
         """Whether a batch without an optimizer step was seen (here or in the run that saved)."""
         self._step_hooks = [opt.register_step_post_hook(self._optimizer_stepped)
                             for opt in internals.optimizers(accelerator) if hasattr(opt, "register_step_post_hook")]
+        self._held_gradients = PendingGradients(internals.optimizers(accelerator))
         self._closed = False
         self.resumed_from: int | None = self.manager.resume(self.state)
         """The global step resumed from, or None on a fresh start."""
@@ -351,6 +353,8 @@ class FaultTolerantCheckpoint:
             return  # accumulating by hand (no optimizer step in this batch): not a step boundary either
         self.global_step += 1
         self._report_commits()
+        if self._held_gradients.withhold():
+            return  # another optimizer holds gradients for a later step (a GAN's accumulating generator): no save
         metadata = {"epoch": self.epoch, "batches_done": self._batches_done}
         if self.manager.maybe_save(self.global_step, self.state, epoch=self.epoch, metadata=metadata):
             self._started(self.manager.last_save)
@@ -382,6 +386,7 @@ class FaultTolerantCheckpoint:
         self._closed = True
         for handle in self._step_hooks:
             handle.remove()
+        self._held_gradients.close()
 
 
 class _Progress:

@@ -38,6 +38,7 @@ from ft_checkpoint.errors import Preempted
 from ft_checkpoint.format import layout
 from ft_checkpoint.format.signing import Signer
 from ft_checkpoint.run.journal import started_before
+from ft_checkpoint.save.pending_gradients import PendingGradients
 from ft_checkpoint.save.snapshot import settle_all as settle_snapshots
 from ft_checkpoint.state import set_rng_state
 from ft_checkpoint.store.storage import Storage
@@ -218,6 +219,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         """In the epoch a resume landed in (until its end): how many of its batches were done before it."""
         self._unreported: list[SaveStats] = []
         self._active = False
+        self._held_gradients: PendingGradients | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -243,6 +245,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         internals.before_first_iterator(trainer, lambda: self._capture_epoch_start(trainer))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._held_gradients = PendingGradients(trainer.optimizers)  # manual optimization: several, at their rates
         if self.save_on_exception:  # DeepSpeed's ZeRO optimizers have no step hooks: see on_before_optimizer_step
             self._safe.watch_optimizers(trainer.optimizers)
 
@@ -298,6 +301,8 @@ class FaultTolerantCheckpoint(Checkpoint):
         if step == self._last_step:  # accumulating gradients: not a step boundary
             return
         self._last_step = step
+        if self._held_gradients is not None and self._held_gradients.withhold():
+            return  # another optimizer holds gradients for a later step (a GAN's accumulating generator)
         resumable = self._resumable(trainer)
         if self.save_on_exception:
             self._safe.remember(trainer, step if resumable else None, self._epoch_start)
@@ -457,6 +462,8 @@ class FaultTolerantCheckpoint(Checkpoint):
     def _close(self, trainer: pl.Trainer) -> None:
         """Drain the save in flight (its error, if any, is raised here) and release the writer."""
         self._safe.remove_hooks()
+        if self._held_gradients is not None:
+            self._held_gradients.close()
         if self._active:
             self._active = False
             assert self.manager is not None

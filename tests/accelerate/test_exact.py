@@ -12,6 +12,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from ft_checkpoint import read_journal
 from ft_checkpoint.format import layout
@@ -116,6 +117,29 @@ def test_dispatch_batches_on_two_ranks_resumes_exactly(tmp_path):
     ``skip_first_batches(loader, n)`` skips n batches of its sampler, half the 2n the ranks had consumed: the
     resumed run trained again on batches it had trained on, with no warning."""
     run_pair(tmp_path, "--dispatch-batches")
+
+
+def test_two_optimizers_stepping_at_different_rates_resume_exactly(tmp_path):
+    """A GAN: the discriminator steps every batch, the generator every 2 (its gradients accumulate between). A save
+    after a batch where the generator held one batch's gradients (in no checkpoint) resumed without them: the
+    generator, its Adam state and then the discriminator ended otherwise. Kills at batches 8 and 25 (the second in
+    epoch 1, whose windows are shifted: 15 batches per epoch)."""
+    from ft_checkpoint.testing import jobs
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gan_script.py")
+    ref, out = str(tmp_path / "ref"), str(tmp_path / "out")
+    jobs.run(script, str(tmp_path / "ref_ckpt"), ref, out=ref, timeout=300).expect(0)
+    for kill in (8, 25):
+        jobs.run(script, str(tmp_path / "ckpt"), out, "--kill-at", str(kill), out=out, timeout=300).expect(-9)
+    restarted = jobs.run(script, str(tmp_path / "ckpt"), out, out=out, timeout=300)
+    restarted.expect(0)
+    assert "resuming from step" in restarted.output
+    got, want = (torch.load(os.path.join(d, "final.pt"), weights_only=True) for d in (out, ref))
+    for part in ("gen", "disc"):
+        assert all(torch.equal(got[part][k], want[part][k]) for k in want[part]), f"{part} weights differ"
+    for part in ("opt_g", "opt_d"):
+        for index, state in want[part]["state"].items():
+            assert all(torch.equal(got[part]["state"][index][k], v) for k, v in state.items()), f"{part} differs"
 
 
 def journal_ends(ckpt: str) -> list[list[str]]:

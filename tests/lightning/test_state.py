@@ -5,13 +5,17 @@ from __future__ import annotations
 import argparse
 import io
 from collections import OrderedDict
+from typing import Any
 
+import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
 
 from ft_checkpoint import ConfigError
+from ft_checkpoint.format.layout import committed_steps
 from ft_checkpoint.state import split_tree
+from ft_checkpoint.store.storage import Storage
 from lightning_ft._state import PER_RANK_MAX_BYTES, from_core, to_core
 from lightning_ft.testing import assert_same
 
@@ -57,3 +61,38 @@ def test_an_object_that_cannot_be_loaded_safely_is_named():
     ck["callbacks"]["Mine"] = {"thing": object()}
     with pytest.raises(ConfigError, match=r"checkpoint\['callbacks'\]\['Mine'\]\['thing'\].*HINT"):
         to_core(ck)
+
+
+class _Gan(pl.LightningModule):
+    """Manual optimization: the discriminator steps every batch, the generator accumulates over 2 batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.d, self.g = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt_d, opt_g = self.optimizers()
+        opt_d.zero_grad()
+        self.manual_backward(self.d(batch[0]).sum() + self.g(batch[0]).sum() / 2)
+        opt_d.step()
+        if batch_idx % 2 == 1:
+            opt_g.step()
+            opt_g.zero_grad()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.d.parameters(), lr=0.1), torch.optim.SGD(self.g.parameters(), lr=0.1)
+
+
+def test_a_save_waits_for_a_batch_where_no_optimizer_holds_gradients_for_a_later_step(tmp_path):
+    """The generator's gradients of an odd batch are in no checkpoint: a save there resumed without them and ended
+    with other weights. Saves wait for the batches where it stepped (global steps 3, 6, 9, ...: 2 per such batch)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_ft import FaultTolerantCheckpoint
+    from lightning_ft.testing import trainer
+
+    ft = FaultTolerantCheckpoint(str(tmp_path / "ckpt"), interval=1, keep_last=100, async_save=False)
+    t = trainer([ft], max_epochs=1, val_check_interval=None)
+    t.fit(_Gan(), DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=4))
+    assert t.global_step == 12 and committed_steps(Storage(str(tmp_path / "ckpt"))) == [3, 6, 9, 12]

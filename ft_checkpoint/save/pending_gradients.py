@@ -1,0 +1,103 @@
+"""Gradients an optimizer holds for a step it has not taken yet: a save then would lose them.
+
+A loop with several optimizers may step them at different rates: a GAN whose generator accumulates its gradients
+over two batches while the discriminator steps every batch. A checkpoint holds parameters and optimizer state, not
+gradients, so a resume from a batch where one optimizer holds accumulated gradients trains on without them and ends
+with other weights. The integrations save only after batches where no optimizer holds such gradients.
+
+An optimizer holds gradients it has not stepped on when a parameter of it has a gradient other than the one its last
+step used: another tensor (``zero_grad()`` sets them to None, the next backward makes new ones), or the same one
+changed since (its version counter: a backward adds into it in place). One parameter per optimizer is looked at, the
+first with a gradient: a backward through the optimizer's model writes all of them alike. With a single optimizer
+nothing is watched (its step is the step boundary the integrations already wait for).
+
+Example:
+    >>> import torch
+    >>> d, g = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+    >>> opt_d, opt_g = torch.optim.SGD(d.parameters(), lr=0.1), torch.optim.SGD(g.parameters(), lr=0.1)
+    >>> watch = PendingGradients([opt_d, opt_g])
+    >>> (d(torch.ones(2)) + g(torch.ones(2))).sum().backward(); opt_d.step(); opt_d.zero_grad()
+    >>> watch.held()        # opt_g accumulates for a later step: no save here
+    [1]
+    >>> g(torch.ones(2)).sum().backward(); opt_g.step(); opt_g.zero_grad()
+    >>> watch.held()
+    []
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MAX_WITHHELD = 64
+"""Step boundaries in a row a save may be held back for; then it goes ahead (with a warning): an optimizer whose
+parameters keep a gradient it never steps on (a second optimizer unused for a while) must not stop every save."""
+
+
+class PendingGradients:
+    """Watches ``optimizers`` (see the module's docstring); :meth:`withhold` at each step boundary says whether a save
+    there would lose gradients held for a later step. :meth:`close` removes its step hooks."""
+
+    def __init__(self, optimizers: Sequence[Any]) -> None:
+        self.optimizers = [o for o in optimizers if hasattr(o, "register_step_post_hook")]
+        self._used: dict[int, tuple[torch.Tensor, weakref.ref[torch.Tensor], int] | None] = {}
+        self._stepped: set[int] = set()
+        self._in_a_row, self._warned = 0, False
+        several = len(self.optimizers) > 1
+        self._handles = [o.register_step_post_hook(self._after_step) for o in self.optimizers] if several else []
+
+    def _after_step(self, optimizer: Any, *_: Any) -> None:
+        self._stepped.add(id(optimizer))
+        param = _first_with_gradient(optimizer)
+        grad = param.grad if param is not None else None
+        self._used[id(optimizer)] = (param, weakref.ref(grad), grad._version) if param is not None and grad is not None \
+            else None
+
+    def held(self) -> list[int]:
+        """The indices of the optimizers that did not step since the last call and hold gradients they have not
+        stepped on; then forgets which stepped."""
+        held = [i for i, o in enumerate(self.optimizers) if id(o) not in self._stepped and self._holds(o)]
+        self._stepped.clear()
+        return held if self._handles else []
+
+    def _holds(self, optimizer: Any) -> bool:
+        if id(optimizer) not in self._used:  # no step yet: any gradient is being gathered for the first
+            return _first_with_gradient(optimizer) is not None
+        used = self._used[id(optimizer)]
+        if used is None:
+            return _first_with_gradient(optimizer) is not None
+        param, ref, version = used
+        grad = param.grad
+        return grad is not None and (ref() is not grad or grad._version != version)
+
+    def withhold(self) -> bool:
+        """Whether a save after this batch would lose gradients an optimizer holds for a later step (see
+        :meth:`held`); after :data:`MAX_WITHHELD` such batches in a row it goes ahead, with a warning."""
+        held = self.held()
+        if not held:
+            self._in_a_row = 0
+            return False
+        self._in_a_row += 1
+        if self._in_a_row <= MAX_WITHHELD:
+            return True
+        if not self._warned:
+            self._warned = True
+            log.warning("optimizer %s has held gradients it did not step on for %d step boundaries in a row: saving "
+                        "anyway (gradients are not saved: a resume from such a step trains on without them)",
+                        held[0], self._in_a_row)
+        return False
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _first_with_gradient(optimizer: Any) -> torch.Tensor | None:
+    return next((p for group in optimizer.param_groups for p in group["params"] if p.grad is not None), None)
