@@ -353,10 +353,9 @@ class FaultTolerantCheckpoint:
             return  # accumulating by hand (no optimizer step in this batch): not a step boundary either
         self.global_step += 1
         self._report_commits()
-        if self._held_gradients.withhold():
-            return  # another optimizer holds gradients for a later step (a GAN's accumulating generator): no save
         metadata = {"epoch": self.epoch, "batches_done": self._batches_done}
-        if self.manager.maybe_save(self.global_step, self.state, epoch=self.epoch, metadata=metadata):
+        hold = self._held_gradients.withhold()  # an optimizer holds gradients for a later step (a GAN's generator)
+        if self.manager.maybe_save(self.global_step, self.state, epoch=self.epoch, metadata=metadata, hold=hold):
             self._started(self.manager.last_save)
 
     def _started(self, stats: SaveStats | None) -> None:

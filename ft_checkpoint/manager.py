@@ -255,19 +255,21 @@ class CheckpointManager:
             last_duration=last.duration if last else None, save_in_flight=self.engine.in_flight,
             preempted=notice is not None)
 
-    def agree_to_save(self, step: int) -> bool:
+    def agree_to_save(self, step: int, *, hold: bool = False) -> bool:
         """Whether every rank saves at ``step`` (a collective when distributed: call it on every rank at the
         same steps): rank 0's policy answer for time-based policies, a preemption notice on any rank
-        (then :attr:`preempted` is set), and a LeaseError on every rank if rank 0 lost the directory's lease."""
+        (then :attr:`preempted` is set), and a LeaseError on every rank if rank 0 lost the directory's lease.
+        ``hold``: this rank's state is no point to resume from (an optimizer holds gradients for a later step, see
+        ``save.pending_gradients``); then no rank saves at ``step``, and a save due now comes at a later step."""
         notice = self._notice()
         ctx = self._context(step, notice)
         decision, lost, fast = self.policy.should_save(ctx), self.rank == 0 and self.lease.lost, self._fast_due(step)
-        if self.groups.distributed:  # one collective: rank 0's decisions and lease, anyone's notice
-            votes = self.groups.all_gather((decision, notice, lost, fast))
+        if self.groups.distributed:  # one collective: rank 0's decisions and lease, anyone's notice and hold
+            votes = self.groups.all_gather((decision, notice, lost, fast, hold))
             decision = votes[0][0] if not self.policy.deterministic else decision
             fast = votes[0][3] if self.fast is not None and not self.fast.policy.deterministic else fast
-            notice = next((f"{n} on rank {r}" for r, (_, n, _, _) in enumerate(votes) if n), None)
-            lost = votes[0][2]
+            notice = next((f"{n} on rank {r}" for r, (_, n, _, _, _) in enumerate(votes) if n), None)
+            lost, hold = votes[0][2], any(v[4] for v in votes)
         if self.tiers is not None:  # nested: a durable save comes with a fast-tier save (see MultiLevelInterval)
             decision = decision and (fast or self._fast_refused)
         if lost:
@@ -275,6 +277,9 @@ class CheckpointManager:
                              "saving there. HINT: give each job its own dirpath; see the warning about lease.json")
         self._preempt_reason = self._preempt_reason or notice  # the first notice agreed on
         self.preempted = notice is not None
+        if hold:
+            self._due = (step, False, False)
+            return False
         durable = decision or (self.preempted and step != ctx.last_save_step)
         self._due = (step, durable, fast)
         return durable or fast
@@ -286,11 +291,13 @@ class CheckpointManager:
         return "preempted set by the program" if self.preempted else None
 
     def maybe_save(self, step: int, state: Mapping[str, Any], *, epoch: int | None = None,
-                   metadata: dict[str, Any] | None = None, per_rank: dict[str, Any] | None = None) -> bool:
+                   metadata: dict[str, Any] | None = None, per_rank: dict[str, Any] | None = None,
+                   hold: bool = False) -> bool:
         """Save ``state`` as ``step`` if the policy says so; returns whether a save started.
 
         Call it at a step boundary (after the optimizer step), with the number of completed steps.
         ``per_rank`` holds values that differ by rank, as in :meth:`save` (nanoGPT's prefetched batch).
+        ``hold``: not here, a save due now comes later (see :meth:`agree_to_save`).
 
         Example:
             >>> import torch
@@ -302,7 +309,7 @@ class CheckpointManager:
         require_state_dict(state)
         self.note_step(step)
         self._offered = (step, state, {"epoch": epoch, "metadata": metadata, "per_rank": per_rank})
-        if not self.agree_to_save(step):
+        if not self.agree_to_save(step, hold=hold):
             return False
         self.save(step, state, epoch=epoch, metadata=metadata, per_rank=per_rank)
         self._cost.saved()

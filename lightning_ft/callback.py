@@ -301,19 +301,21 @@ class FaultTolerantCheckpoint(Checkpoint):
         if step == self._last_step:  # accumulating gradients: not a step boundary
             return
         self._last_step = step
-        if self._held_gradients is not None and self._held_gradients.withhold():
-            return  # another optimizer holds gradients for a later step (a GAN's accumulating generator)
+        # an optimizer that holds gradients for a later step (a GAN's accumulating generator): no point to resume from
+        hold = self._held_gradients is not None and self._held_gradients.withhold()
         resumable = self._resumable(trainer)
         if self.save_on_exception:
-            self._safe.remember(trainer, step if resumable else None, self._epoch_start)
+            self._safe.remember(trainer, step if resumable and not hold else None, self._epoch_start)
         if resumable and self._pending:  # a save asked for at an earlier batch, where a resume could not start
+            if self.manager.groups.any_rank(hold):
+                return
             self._pending = False
             self.manager.note_step(step)
             self._save(trainer, step, lambda: self._snapshots.take(trainer, self._epoch_start))
             if self.manager.preempted:
                 self.manager.stop_for_preemption()
         elif resumable:  # a preemption notice makes this the final save, then exits (Preempted)
-            self._save(trainer, step, lambda: self._snapshots.take(trainer, self._epoch_start), if_due=True)
+            self._save(trainer, step, lambda: self._snapshots.take(trainer, self._epoch_start), if_due=True, hold=hold)
         else:
             self.manager.note_step(step)
             if self.manager.agree_to_save(step):
@@ -426,14 +428,15 @@ class FaultTolerantCheckpoint(Checkpoint):
         return not (trainer.should_stop or internals.is_last_batch(trainer) or internals.validation_follows(trainer))
 
     def _save(self, trainer: pl.Trainer, step: int, snapshot: Callable[[], dict[str, Any]], *,
-              if_due: bool = False) -> None:
-        """Save ``snapshot()`` as ``step`` (with ``if_due``: only if the policy says so; the snapshot is then
-        taken only when it does). Logs the stall and the interval."""
+              if_due: bool = False, hold: bool = False) -> None:
+        """Save ``snapshot()`` as ``step`` (with ``if_due``: only if the policy says so and no rank ``hold``s; the
+        snapshot is then taken only when it does). Logs the stall and the interval."""
         assert self.manager is not None
         t0 = time.perf_counter()
         metadata = {"lightning_epoch": trainer.current_epoch, "batches_done": internals.batches_done_in_epoch(trainer)}
         if if_due:
-            if not self.manager.maybe_save(step, _Lazy(snapshot), epoch=trainer.current_epoch, metadata=metadata):
+            if not self.manager.maybe_save(step, _Lazy(snapshot), epoch=trainer.current_epoch, metadata=metadata,
+                                           hold=hold):
                 return
         else:
             self.manager.save(step, snapshot(), epoch=trainer.current_epoch, metadata=metadata)

@@ -72,6 +72,10 @@ class Groups:
         if self.distributed:
             dist.barrier(group=self.writer if writer else self.control)
 
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on some rank (a collective when distributed)."""
+        return any(self.all_gather(flag))
+
     def on_rank0(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on rank 0 only; every rank gets its result, or raises its exception."""
         result: Any = None
