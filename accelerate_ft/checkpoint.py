@@ -143,7 +143,7 @@ class FaultTolerantCheckpoint:
         """Whether a batch without an optimizer step was seen (here or in the run that saved)."""
         self._step_hooks = [opt.register_step_post_hook(self._optimizer_stepped)
                             for opt in internals.optimizers(accelerator) if hasattr(opt, "register_step_post_hook")]
-        self._held_gradients = PendingGradients(internals.optimizers(accelerator))
+        self._held_gradients = PendingGradients(internals.optimizers(accelerator), quiet=not accelerator.is_main_process)
         self._closed = False
         self.resumed_from: int | None = self.manager.resume(self.state)
         """The global step resumed from, or None on a fresh start."""
@@ -294,7 +294,8 @@ class FaultTolerantCheckpoint:
         """A resume whose loader has another number of batches than the run that saved (another batch size, another
         dataset: a restart after ``find_executable_batch_size`` chose a smaller batch): its position is off."""
         saved, now = self._saved_epoch_batches, self._epoch_batches
-        if saved is not None and now is not None and saved != now and self.manager.rank == 0:
+        inside = 0 < self._batches_done < (saved or 0)  # a resume on an epoch's end starts the next one whole
+        if inside and now is not None and saved != now and self.manager.rank == 0:
             log.warning("the checkpoint's epoch had %d batches per process, this run's loader has %d (another batch "
                         "size or dataset): model and optimizer are restored, but epoch %d resumes after batch %d of "
                         "%d, which is not where the saved run was in its data", saved, now, self.epoch,
@@ -341,6 +342,7 @@ class FaultTolerantCheckpoint:
         """The loop left during batch ``index`` (a ``break``): count it if its optimizer step ran, so that the
         counters match the weights a final save writes; no save here."""
         self._in_batch = None
+        self._held_gradients.forget_steps()  # no boundary: the next one looks at the steps of its own batch
         if self.accelerator.sync_gradients and self._step_hooks and self._stepped:
             self._batches_done = index + 1
             self.global_step += 1

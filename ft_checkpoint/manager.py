@@ -171,6 +171,8 @@ class CheckpointManager:
         self._due: tuple[int, bool, bool] | None = None
         """``(step, durable, fast)``: what :meth:`agree_to_save` decided last."""
         self._fast_refused = False
+        self._held = (False, False)
+        """``(durable, fast)``: saves that were due at steps a ``hold`` put off; they come at the next step without."""
         self.resumed_from: int | None = None
         self.resumed_source: str | None = None
         """Where the last resume took its step from: ``"fast tier, own node"``, ``"fast tier, peer copies"``, or the
@@ -260,7 +262,8 @@ class CheckpointManager:
         same steps): rank 0's policy answer for time-based policies, a preemption notice on any rank
         (then :attr:`preempted` is set), and a LeaseError on every rank if rank 0 lost the directory's lease.
         ``hold``: this rank's state is no point to resume from (an optimizer holds gradients for a later step, see
-        ``save.pending_gradients``); then no rank saves at ``step``, and a save due now comes at a later step."""
+        ``save.pending_gradients``); then no rank saves at ``step`` (unless a preemption notice came), and a save due
+        now comes at the next step without a hold, whatever the policy says there."""
         notice = self._notice()
         ctx = self._context(step, notice)
         decision, lost, fast = self.policy.should_save(ctx), self.rank == 0 and self.lease.lost, self._fast_due(step)
@@ -270,6 +273,12 @@ class CheckpointManager:
             fast = votes[0][3] if self.fast is not None and not self.fast.policy.deterministic else fast
             notice = next((f"{n} on rank {r}" for r, (_, n, _, _, _) in enumerate(votes) if n), None)
             lost, hold = votes[0][2], any(v[4] for v in votes)
+        if hold and notice is None:  # a preemption notice saves now: one optimizer's partial gradients lost, not more
+            self._held = (self._held[0] or decision, self._held[1] or fast)
+            decision = fast = False
+        elif not hold:
+            decision, fast = decision or self._held[0], fast or self._held[1]
+            self._held = (False, False)
         if self.tiers is not None:  # nested: a durable save comes with a fast-tier save (see MultiLevelInterval)
             decision = decision and (fast or self._fast_refused)
         if lost:
@@ -277,9 +286,6 @@ class CheckpointManager:
                              "saving there. HINT: give each job its own dirpath; see the warning about lease.json")
         self._preempt_reason = self._preempt_reason or notice  # the first notice agreed on
         self.preempted = notice is not None
-        if hold:
-            self._due = (step, False, False)
-            return False
         durable = decision or (self.preempted and step != ctx.last_save_step)
         self._due = (step, durable, fast)
         return durable or fast
@@ -564,9 +570,9 @@ class CheckpointManager:
         cell run again), which would continue the earlier one's weights and position instead."""
         if self.storage.url in _saved_by_this_process:
             log.warning("resuming from step %d of %s, which this process saved (a checkpoint manager before this "
-                        "one): the training goes on from there. HINT: a new training in the same process (the next "
-                        "fold of a cross-validation, a retry with another batch size) needs a dirpath of its own",
-                        step, self.storage.url)
+                        "one): the training goes on from there, as meant if it continues that one. HINT: a new "
+                        "training in the same process (the next fold of a cross-validation, a retry with another "
+                        "batch size) needs a dirpath of its own", step, self.storage.url)
 
     def _hint_runs_below(self) -> None:
         """A fresh start in a directory without a step, but with folders right below it that hold steps (a run's

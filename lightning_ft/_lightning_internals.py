@@ -181,12 +181,12 @@ def restart_epoch_start_callbacks(trainer: pl.Trainer) -> None:
             callback.on_train_epoch_start(trainer, trainer.lightning_module)
 
 
-def epoch_metrics_of_batches(trainer: pl.Trainer) -> list[str]:
-    """The training metrics logged as tensors with ``on_epoch=True`` from the epoch's batches (not from
-    ``on_train_epoch_end``): Lightning aggregates them in ``fit_loop.epoch_loop._results``, which no checkpoint holds
-    (a torchmetrics object logged so keeps its own state: see :func:`metric_states`)."""
+def epoch_metrics_of_batches(trainer: pl.Trainer, *, metric_objects: bool = True) -> list[str]:
+    """The training metrics logged with ``on_epoch=True`` from the epoch's batches (not from ``on_train_epoch_end``):
+    Lightning aggregates tensors in ``fit_loop.epoch_loop._results``, which no checkpoint holds. A torchmetrics object
+    logged so keeps its own state (see :func:`metric_states`): ``metric_objects=False`` leaves those out."""
     results = trainer.fit_loop.epoch_loop._results
-    metas = [getattr(m, "meta", None) for m in results.values() if getattr(m, "is_tensor", True)]
+    metas = [getattr(m, "meta", None) for m in results.values() if metric_objects or getattr(m, "is_tensor", True)]
     return sorted({m.name for m in metas if m is not None and m.on_epoch and m.fx != "on_train_epoch_end"})
 
 

@@ -34,8 +34,8 @@ class Snapshots:
         checkpoint = internals.dump_checkpoint(trainer)
         if loops is not None:
             checkpoint["loops"] = loops
-        metrics = internals.metric_states(trainer.lightning_module)
-        if metrics:
+        metrics = internals.metric_states(trainer.lightning_module) if loops is None else {}
+        if metrics:  # not at a safe point (an exception's save): the metrics counted batches after it
             checkpoint[METRICS] = metrics
         engine = self.engine_state(trainer)
         if engine:  # the engine saves model and optimizer itself, as in Lightning's own DeepSpeed checkpoints

@@ -215,6 +215,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         self._last_step: int | None = None
         self._pending = False
         self._undo_warning: Any = None
+        self._metrics_restored = False  # whether the resume put back the torchmetrics states
         self._resumed_skip: int | None = None
         """In the epoch a resume landed in (until its end): how many of its batches were done before it."""
         self._unreported: list[SaveStats] = []
@@ -245,7 +246,8 @@ class FaultTolerantCheckpoint(Checkpoint):
         internals.before_first_iterator(trainer, lambda: self._capture_epoch_start(trainer))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._held_gradients = PendingGradients(trainer.optimizers)  # manual optimization: several, at their rates
+        # manual optimization: several optimizers, stepped at their own rates
+        self._held_gradients = PendingGradients(trainer.optimizers, quiet=not trainer.is_global_zero)
         if self.save_on_exception:  # DeepSpeed's ZeRO optimizers have no step hooks: see on_before_optimizer_step
             self._safe.watch_optimizers(trainer.optimizers)
 
@@ -272,7 +274,8 @@ class FaultTolerantCheckpoint(Checkpoint):
         if self._resumed_skip is not None:  # the end of the epoch a resume landed in (a Checkpoint: runs after the
             skip, self._resumed_skip = self._resumed_skip, None  # module's own hook, before Lightning's schedulers)
             internals.let_plateau_schedulers_step(trainer)
-            if skip and (names := internals.epoch_metrics_of_batches(trainer)) and trainer.is_global_zero:
+            names = internals.epoch_metrics_of_batches(trainer, metric_objects=not self._metrics_restored)
+            if skip and names and trainer.is_global_zero:
                 log.warning("the epoch-level training metrics %s of epoch %d are aggregated over the batches since the "
                             "resume only (Lightning keeps no state of them in a checkpoint; the first %d batches are "
                             "left out): they differ from an uninterrupted run's, and what monitors them at this "
@@ -348,6 +351,8 @@ class FaultTolerantCheckpoint(Checkpoint):
         """
         internals.release_resume(trainer)
         self._safe.remove_hooks()
+        if self._held_gradients is not None:
+            self._held_gradients.close()
         if not self._active or isinstance(exception, Preempted):  # after the final save of a preemption
             self._active = False
             return
@@ -402,12 +407,19 @@ class FaultTolerantCheckpoint(Checkpoint):
         """Put the data where the interrupted epoch stopped, then the RNG where the saved step left it."""
         start: EpochStart | None = resume["epoch_start"]
         self._epoch_start = start
+        self._metrics_restored = resume["metrics"] is not None
         internals.restore_metric_states(trainer.lightning_module, resume["metrics"])
         skip = internals.batches_done_in_epoch(trainer)
         messages.warn_world_size(trainer, resume["world_size"], skip)
         self._resumed_skip = skip
         if 0 < skip:
             internals.restart_epoch_start_callbacks(trainer)
+            if not self._metrics_restored and (metrics := internals.metric_states(trainer.lightning_module)):
+                if trainer.is_global_zero:
+                    log.warning("the torchmetrics metrics %s start empty in resumed epoch %d: this step holds no state "
+                                "of them (saved after an exception, or by an older version), so their values for this "
+                                "epoch cover the batches since the resume only", ", ".join(sorted(metrics)),
+                                trainer.current_epoch)
         if 0 < skip < trainer.num_training_batches and not internals.loaders_restore_themselves(trainer):
             loaders = internals.train_loaders(trainer)
             if start is not None and internals.replay_epoch(trainer, lambda: start.restore(loaders), skip):

@@ -240,7 +240,8 @@ class ShardWriter(StorageWriter):
 def _each_on_a_thread(fn: Callable[[Any], Any], jobs: list[Any]) -> list[Any]:
     """``[fn(job) for job in jobs]``, each job on a thread of its own; the first error is raised. Threads, not an
     executor: once the interpreter starts to exit, executors take no new work ("cannot schedule new futures after
-    interpreter shutdown"), and a save settled then (a loop without ``with`` that raised) must still be written."""
+    interpreter shutdown"), and a save settled then (a loop without ``with`` that raised) must still be written; where
+    no thread can start then either (Python 3.12.0 and 3.12.1), the job runs on the calling thread."""
     results: list[Any] = [None] * len(jobs)
     errors: list[BaseException] = []
 
@@ -250,11 +251,19 @@ def _each_on_a_thread(fn: Callable[[Any], Any], jobs: list[Any]) -> list[Any]:
         except BaseException as e:  # raised on the calling thread, below
             errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(i,), name=f"ft-checkpoint-shard-{i}") for i in range(len(jobs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    started: list[threading.Thread] = []
+    try:
+        for i in range(len(jobs)):
+            thread = threading.Thread(target=run, args=(i,), name=f"ft-checkpoint-shard-{i}")
+            try:
+                thread.start()
+            except RuntimeError:  # "can't create new thread at interpreter shutdown" (Python 3.12.0 and 3.12.1)
+                run(i)
+                continue
+            started.append(thread)
+    finally:
+        for thread in started:  # never return (or raise) while a job still writes
+            thread.join()
     if errors:
         raise errors[0]
     return results

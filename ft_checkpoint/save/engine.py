@@ -526,5 +526,5 @@ def _check_replicated(prints: list[dict[str, int]]) -> None:
             "come back as one rank's value on every rank. HINT: pass values that differ by rank (a prefetched "
             "batch, per-rank statistics) in per_rank=, e.g. save(step, state, per_rank={'batch': x}); model weights "
             "or optimizer state that differ mean the ranks train apart (Accelerate's LocalSGD between its averaging "
-            "steps, and always for an optimizer with state, such as AdamW's moments, which it never averages): "
-            "save only where they agree")
+            "steps: save on them; with an optimizer that keeps state, such as AdamW, whose moments it never "
+            "averages, on no step: such a job cannot be checkpointed as one state)")

@@ -7,9 +7,10 @@ with other weights. The integrations save only after batches where no optimizer 
 
 An optimizer holds gradients it has not stepped on when a parameter of it has a gradient other than the one its last
 step used: another tensor (``zero_grad()`` sets them to None, the next backward makes new ones), or the same one
-changed since (its version counter: a backward adds into it in place). One parameter per optimizer is looked at, the
-first with a gradient: a backward through the optimizer's model writes all of them alike. With a single optimizer
-nothing is watched (its step is the step boundary the integrations already wait for).
+changed since (its version counter: a backward adds into it in place) and not all zeros (``zero_grad(set_to_none=
+False)`` zeroes it in place). Two parameters per optimizer are looked at, the first and the last with a gradient: a
+backward through the optimizer's model writes them alike. With a single optimizer nothing is watched (its step is
+the step boundary the integrations already wait for).
 
 Example:
     >>> import torch
@@ -42,39 +43,45 @@ parameters keep a gradient it never steps on (a second optimizer unused for a wh
 
 class PendingGradients:
     """Watches ``optimizers`` (see the module's docstring); :meth:`withhold` at each step boundary says whether a save
-    there would lose gradients held for a later step. :meth:`close` removes its step hooks."""
+    there would lose gradients held for a later step. :meth:`close` removes its step hooks. ``quiet``: no warning
+    (ranks other than 0)."""
 
-    def __init__(self, optimizers: Sequence[Any]) -> None:
+    def __init__(self, optimizers: Sequence[Any], *, quiet: bool = False) -> None:
         self.optimizers = [o for o in optimizers if hasattr(o, "register_step_post_hook")]
-        self._used: dict[int, tuple[torch.Tensor, weakref.ref[torch.Tensor], int] | None] = {}
+        self._used: dict[int, list[tuple[torch.Tensor, weakref.ref[torch.Tensor], int]]] = {}
         self._stepped: set[int] = set()
-        self._in_a_row, self._warned = 0, False
+        self._in_a_row, self._warned, self._quiet = 0, False, quiet
         several = len(self.optimizers) > 1
         self._handles = [o.register_step_post_hook(self._after_step) for o in self.optimizers] if several else []
 
     def _after_step(self, optimizer: Any, *_: Any) -> None:
         self._stepped.add(id(optimizer))
-        param = _first_with_gradient(optimizer)
-        grad = param.grad if param is not None else None
-        self._used[id(optimizer)] = (param, weakref.ref(grad), grad._version) if param is not None and grad is not None \
-            else None
+        self._used[id(optimizer)] = [(p, weakref.ref(p.grad), p.grad._version) for p in _probes(optimizer)
+                                     if p.grad is not None]
 
     def held(self) -> list[int]:
-        """The indices of the optimizers that did not step since the last call and hold gradients they have not
-        stepped on; then forgets which stepped."""
+        """The indices of the optimizers that did not step since the last call (or :meth:`forget_steps`) and hold
+        gradients they have not stepped on; then forgets which stepped."""
         held = [i for i, o in enumerate(self.optimizers) if id(o) not in self._stepped and self._holds(o)]
         self._stepped.clear()
         return held if self._handles else []
 
+    def forget_steps(self) -> None:
+        """The steps so far belong to no step boundary (a batch the loop left by ``break``): the next boundary looks
+        at every optimizer that steps in its own batch only."""
+        self._stepped.clear()
+
     def _holds(self, optimizer: Any) -> bool:
-        if id(optimizer) not in self._used:  # no step yet: any gradient is being gathered for the first
-            return _first_with_gradient(optimizer) is not None
-        used = self._used[id(optimizer)]
-        if used is None:
-            return _first_with_gradient(optimizer) is not None
-        param, ref, version = used
-        grad = param.grad
-        return grad is not None and (ref() is not grad or grad._version != version)
+        used = self._used.get(id(optimizer))
+        if not used:  # no step yet, or a step without gradients: any gradient is gathered for a later one
+            return any(p.grad is not None for p in _probes(optimizer))
+        for param, ref, version in used:
+            grad = param.grad
+            if grad is None or (ref() is grad and grad._version == version):
+                continue  # set to None since its step, or the very gradient it used
+            if ref() is not grad or bool(grad.any()):  # the same tensor zeroed in place holds nothing
+                return True
+        return False
 
     def withhold(self) -> bool:
         """Whether a save after this batch would lose gradients an optimizer holds for a later step (see
@@ -86,18 +93,24 @@ class PendingGradients:
         self._in_a_row += 1
         if self._in_a_row <= MAX_WITHHELD:
             return True
-        if not self._warned:
+        if not self._warned and not self._quiet:
             self._warned = True
-            log.warning("optimizer %s has held gradients it did not step on for %d step boundaries in a row: saving "
-                        "anyway (gradients are not saved: a resume from such a step trains on without them)",
-                        held[0], self._in_a_row)
+            log.warning("optimizer %d (%s) has held gradients it did not step on for %d step boundaries in a row: "
+                        "saving anyway (gradients are in no checkpoint: a resume from such a step trains on without "
+                        "them)", held[0], type(self.optimizers[held[0]]).__name__, self._in_a_row)
         return False
 
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._used.clear()
 
 
-def _first_with_gradient(optimizer: Any) -> torch.Tensor | None:
-    return next((p for group in optimizer.param_groups for p in group["params"] if p.grad is not None), None)
+def _probes(optimizer: Any) -> list[torch.Tensor]:
+    """The first and the last parameter of ``optimizer`` with a gradient (a backward through part of its parameters,
+    a partly frozen model, reaches one of them at least as often), or fewer."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    first = next((p for p in params if p.grad is not None), None)
+    last = next((p for p in reversed(params) if p.grad is not None), None)
+    return [p for p in (first, last) if p is not None][: 1 if first is last else 2]

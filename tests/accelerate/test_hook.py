@@ -454,26 +454,29 @@ def test_a_restart_with_another_batch_size_warns_that_the_position_is_off(make_a
     assert "had 8 batches per process, this run's loader has 16" in caplog.text, caplog.text
 
 
-def test_a_save_waits_for_a_batch_where_no_optimizer_holds_gradients_for_a_later_step(make_accelerator, clean_env):
+@pytest.mark.parametrize(("g_steps_after", "interval", "saved"), [(1, 1, [2, 4, 6, 8]), (0, 4, [5, 8])])
+def test_a_save_waits_for_a_batch_where_no_optimizer_holds_gradients_for_a_later_step(make_accelerator, clean_env,
+                                                                                     g_steps_after, interval, saved):
     """A GAN whose generator accumulates its gradients over 2 batches while the discriminator steps every batch: a
     save after a batch where the generator held one batch's gradients (not saved) resumed without them and ended with
-    other weights. Saves wait for the batches where the generator stepped."""
+    other weights. Saves wait for the batches where the generator stepped; with ``interval=4`` and the generator
+    holding at every 4th step, the due save comes one step later (it was dropped: only the final save remained)."""
     acc = make_accelerator()
     d, g = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
     opt_d, opt_g = torch.optim.SGD(d.parameters(), lr=0.1), torch.optim.SGD(g.parameters(), lr=0.1)
     loader = torch.utils.data.DataLoader(torch.randn(32, 4), batch_size=4)
     d, g, opt_d, opt_g, loader = acc.prepare(d, g, opt_d, opt_g, loader)
-    with FaultTolerantCheckpoint(acc, f"memory://accelerate-gan-{uuid.uuid4().hex}", interval=1, keep_last=100,
-                                 async_save=False) as ft:
+    with FaultTolerantCheckpoint(acc, f"memory://accelerate-gan-{uuid.uuid4().hex}", interval=interval,
+                                 keep_last=100, async_save=False) as ft:
         for _ in ft.epochs(1):
             for i, x in ft.enumerate(loader):
                 opt_d.zero_grad()
                 acc.backward(d(x).sum() + g(x).sum() / 2)
                 opt_d.step()
-                if i % 2 == 1:
+                if i % 2 == g_steps_after:
                     opt_g.step()
                     opt_g.zero_grad()
-    assert ft.global_step == 8 and committed_steps(ft.manager.storage) == [2, 4, 6, 8]
+    assert ft.global_step == 8 and committed_steps(ft.manager.storage) == saved
 
 
 def test_a_resume_loads_a_fresh_adams_state_without_stepping_it(make_accelerator, clean_env, tmp_path):

@@ -96,3 +96,50 @@ def test_a_save_waits_for_a_batch_where_no_optimizer_holds_gradients_for_a_later
     t = trainer([ft], max_epochs=1, val_check_interval=None)
     t.fit(_Gan(), DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=4))
     assert t.global_step == 12 and committed_steps(Storage(str(tmp_path / "ckpt"))) == [3, 6, 9, 12]
+
+
+class _Counting(pl.LightningModule):
+    """Counts its training batches in a torchmetrics metric; raises at the start of batch ``crash_at``."""
+
+    def __init__(self, crash_at: int | None = None) -> None:
+        super().__init__()
+        import torchmetrics
+
+        self.net, self.batches, self.crash_at = torch.nn.Linear(4, 1), torchmetrics.SumMetric(), crash_at
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.crash_at:
+            raise RuntimeError("the training failed")
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.batches.update(torch.tensor(1.0))
+        return self.net(batch[0]).sum()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_save_after_an_exception_leaves_out_metrics_that_counted_batches_after_its_safe_point(tmp_path, caplog):
+    """``save_on_exception`` saves the last safe point (the end of batch 5, an optimizer step with
+    ``accumulate_grad_batches=2``) while the metrics were taken as they were at the exception (the start of batch 7),
+    with batch 6's ``update`` in them: the resume, at batch 6, counted it twice. They are left out of such a save, and
+    the resume says that they start empty."""
+    import logging
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_ft import FaultTolerantCheckpoint
+    from lightning_ft.testing import trainer
+
+    loader = DataLoader(TensorDataset(torch.randn(64, 4)), batch_size=4)
+    url = str(tmp_path / "ckpt")
+    with pytest.raises(RuntimeError, match="the training failed"):
+        trainer([FaultTolerantCheckpoint(url, interval=1000, save_on_exception=True)], max_epochs=1,
+                val_check_interval=None, accumulate_grad_batches=2).fit(_Counting(crash_at=7), loader)
+    assert committed_steps(Storage(url)) == [3]
+    caplog.set_level(logging.WARNING, logger="lightning_ft")
+    model = _Counting()
+    trainer([FaultTolerantCheckpoint(url, interval=1000)], max_epochs=1, val_check_interval=None,
+            accumulate_grad_batches=2).fit(model, loader)
+    assert "the torchmetrics metrics batches start empty in resumed epoch 0" in caplog.text, caplog.text
+    assert float(model.batches.compute()) == 10, "the batches since the resume, none counted twice"
