@@ -63,10 +63,10 @@ if TYPE_CHECKING:  # the fast tier is imported only where one may be configured 
 
 log = logging.getLogger(__name__)
 
-_saved_by_this_process: dict[str, int] = {}
-"""The checkpoint directories (URLs) a manager of this process saved to, each with the newest step it saved there: a
-later manager of this process that resumes from one warns (a new training of the same process in the same directory,
-a cross-validation's next fold or a retry with another batch size, would continue the earlier one)."""
+_saved_by_this_process: set[str] = set()
+"""The checkpoint directories (URLs) a manager of this process saved to: a later manager of this process that resumes
+from one warns (a new training of the same process in the same directory, a cross-validation's next fold or a retry
+with another batch size, would continue the earlier one)."""
 
 
 class CheckpointManager:
@@ -392,7 +392,7 @@ class CheckpointManager:
         stats = self.engine.save(step, tree, per_rank=ranked, owned=rng, files=stage_files, manifest_fields=fields,
                                  listener=self._events, called_at=called_at, durable=durable, tier_write=tier_write)
         self.last_save = stats
-        _saved_by_this_process[self.storage.url] = step
+        _saved_by_this_process.add(self.storage.url)
         if fast_save is not None:
             fast_save.stall = stats.stall
         if durable:

@@ -310,7 +310,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         if self.save_on_exception:
             self._safe.remember(trainer, step if resumable and not hold else None, self._epoch_start)
         if resumable and self._pending:  # a save asked for at an earlier batch, where a resume could not start
-            if self.manager.groups.any_rank(hold):
+            if self.manager.groups.any_rank(hold) and not self.manager.preempted:  # a notice does not wait
                 return
             self._pending = False
             self.manager.note_step(step)

@@ -25,10 +25,10 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
-class _Forgotten(dict):
+class _Forgotten(set):
     """Keeps nothing: see :func:`each_manager_as_if_in_a_new_process`."""
 
-    def __setitem__(self, key: Any, value: Any) -> None:
+    def add(self, item: Any) -> None:
         pass
 
 

@@ -98,7 +98,7 @@ def test_a_new_training_of_this_process_in_a_directory_it_saved_to_warns(tmp_pat
     """Accelerate's ``cross_validation.py`` with one dirpath for every fold (``FT_CHECKPOINT_DIRPATH``): the next fold's
     fresh model resumed the last fold's final step and trained no batch, with nothing but the usual resume line. A
     resume from a directory an earlier manager of the same process saved to warns; another directory does not."""
-    monkeypatch.setattr(manager, "_saved_by_this_process", {})  # as in a user's process (tests/conftest.py)
+    monkeypatch.setattr(manager, "_saved_by_this_process", set())  # as in a user's process (tests/conftest.py)
     url, other = str(tmp_path / "folds"), str(tmp_path / "other")
     with CheckpointManager(url, interval=1) as fold0:
         fold0.save(20, {"w": torch.ones(3)}, block=True)
@@ -109,7 +109,7 @@ def test_a_new_training_of_this_process_in_a_directory_it_saved_to_warns(tmp_pat
         assert fold1.resume({"w": torch.zeros(3)}) == 20
     assert "which this process saved" in caplog.text and "a dirpath of its own" in caplog.text, caplog.text
     caplog.clear()
-    manager._saved_by_this_process.pop(str(tmp_path / "other"), None)  # a new process: nothing saved to it yet
+    manager._saved_by_this_process.discard(str(tmp_path / "other"))  # a new process: nothing saved to it yet
     with CheckpointManager(other, interval=1) as restarted:
         assert restarted.resume({"w": torch.zeros(3)}) == 1
     assert "which this process saved" not in caplog.text, caplog.text
