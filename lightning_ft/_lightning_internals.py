@@ -39,6 +39,7 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
 
 if TYPE_CHECKING:
@@ -203,8 +204,26 @@ def metric_states(module: Any) -> dict[str, dict[str, Any]]:
     metric = _metric_class()
     if metric is None:
         return {}
-    return {name: {"states": {k: getattr(m, k) for k in m._defaults}, "update_count": m._update_count}
+    return {name: {"states": {k: _joined(getattr(m, k)) for k in m._defaults}, "update_count": m._update_count}
             for name, m in module.named_modules() if isinstance(m, metric)}
+
+
+def _joined(value: Any) -> Any:
+    """A list state (one tensor per ``update``: ``CatMetric``, AUROC) as one tensor and the lengths of its parts, so that
+    a save copies one tensor, not thousands; other values as they are."""
+    if not isinstance(value, list) or not value or not all(isinstance(t, torch.Tensor) and t.dim() for t in value):
+        return value
+    first = value[0]
+    if any(t.dtype != first.dtype or t.shape[1:] != first.shape[1:] or t.device != first.device for t in value):
+        return value
+    return {"joined": torch.cat(value), "lengths": [t.shape[0] for t in value]}
+
+
+def _parted(value: Any, device: Any) -> Any:
+    """The inverse of :func:`_joined`, on ``device``."""
+    if isinstance(value, dict):
+        return list(torch.split(value["joined"].to(device), value["lengths"]))
+    return [t.to(device) for t in value] if isinstance(value, list) else value.to(device)
 
 
 def restore_metric_states(module: Any, saved: dict[str, dict[str, Any]] | None) -> None:
@@ -218,7 +237,7 @@ def restore_metric_states(module: Any, saved: dict[str, dict[str, Any]] | None) 
             continue
         for key, value in saved[name]["states"].items():
             if key in m._defaults:
-                setattr(m, key, [t.to(m.device) for t in value] if isinstance(value, list) else value.to(m.device))
+                setattr(m, key, _parted(value, m.device))
         m._update_count, m._computed = saved[name]["update_count"], None
 
 

@@ -206,6 +206,7 @@ def test_the_torchmetrics_state_a_resume_puts_back_is_the_metrics_whole_state():
         module["cat"].update(torch.tensor([value]))
     saved = internals.metric_states(module)
     assert set(saved) == {"mean", "cat"} and saved["mean"]["update_count"] == 3, saved
+    assert saved["cat"]["states"]["value"]["lengths"] == [1, 1, 1], "a list state is saved as one tensor"
 
     fresh = torch.nn.ModuleDict({"mean": torchmetrics.MeanMetric(), "cat": torchmetrics.CatMetric()})
     fresh["mean"].update(torch.tensor(100.0))
@@ -214,3 +215,4 @@ def test_the_torchmetrics_state_a_resume_puts_back_is_the_metrics_whole_state():
     assert fresh["mean"].compute() == 3.0 and torch.equal(fresh["cat"].compute(), torch.tensor([1.0, 2.0, 6.0]))
     fresh["mean"].update(torch.tensor(7.0))
     assert fresh["mean"].compute() == 4.0 and fresh["mean"]._update_count == 4
+    assert [t.tolist() for t in fresh["cat"].value] == [[1.0], [2.0], [6.0]], "the list state's parts as they were"
