@@ -62,9 +62,11 @@ class PendingGradients:
     def held(self) -> list[int]:
         """The indices of the optimizers that did not step since the last call (or :meth:`forget_steps`) and hold
         gradients they have not stepped on; then forgets which stepped."""
+        if not self._handles:  # a single optimizer: nothing is watched, and nothing looked at on this hot path
+            return []
         held = [i for i, o in enumerate(self.optimizers) if id(o) not in self._stepped and self._holds(o)]
         self._stepped.clear()
-        return held if self._handles else []
+        return held
 
     def forget_steps(self) -> None:
         """The steps so far belong to no step boundary (a batch the loop left by ``break``): the next boundary looks
@@ -110,7 +112,7 @@ class PendingGradients:
 def _probes(optimizer: Any) -> list[torch.Tensor]:
     """The first and the last parameter of ``optimizer`` with a gradient (a backward through part of its parameters,
     a partly frozen model, reaches one of them at least as often), or fewer."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    first = next((p for p in params if p.grad is not None), None)
-    last = next((p for p in reversed(params) if p.grad is not None), None)
+    groups = optimizer.param_groups  # scanned from each end, never whole unless no parameter has a gradient
+    first = next((p for group in groups for p in group["params"] if p.grad is not None), None)
+    last = next((p for group in reversed(groups) for p in reversed(group["params"]) if p.grad is not None), None)
     return [p for p in (first, last) if p is not None][: 1 if first is last else 2]
