@@ -91,8 +91,9 @@ def decode_rng_state(plain: dict[str, Any]) -> dict[str, Any]:
 # -- the shuffle order ---------------------------------------------------------------------------------
 def sampler_of(loader: Any) -> Any:
     """The innermost index sampler of a (prepared) DataLoader, or None."""
-    node = getattr(loader, "batch_sampler", None)  # not ``or``: a sampler's truth is its len(), which an
-    node = getattr(loader, "sampler", None) if node is None else node  # IterableDataset's sampler has not
+    # not ``batch_sampler or sampler``: a sampler's truth is its len(), which an IterableDataset's sampler lacks
+    node = getattr(loader, "batch_sampler", None)
+    node = getattr(loader, "sampler", None) if node is None else node
     for _ in range(4):  # BatchSamplerShard -> BatchSampler -> sampler
         if node is None:
             return None
