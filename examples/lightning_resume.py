@@ -63,10 +63,12 @@ def train(steps: int, crash_after: int | None = None) -> None:
         def on_train_start(self) -> None:
             emit(event="start", resumed_from=ft.resumed_from, step=self.trainer.global_step)
 
-        def on_train_batch_end(self, outputs, batch, batch_idx) -> None:  # runs after every callback
-            emit(event="step", step=self.trainer.global_step, stalls=ft.stalls[-1:] if saved() else [])
+        def on_train_batch_start(self, batch, batch_idx) -> None:  # step crash_after is done (and saved if due)
             if self.trainer.global_step == crash_after and ft.resumed_from is None:
                 os.kill(os.getpid(), signal.SIGKILL)  # a crash: no clean shutdown, a save may be in flight
+
+        def on_train_batch_end(self, outputs, batch, batch_idx) -> None:  # a save at this step is reported next
+            emit(event="step", step=self.trainer.global_step, stalls=ft.stalls[-1:] if saved() else [])
 
     def saved() -> bool:
         new = len(ft.stalls) > state["reported"]

@@ -102,9 +102,30 @@ def intercept_resume(trainer: pl.Trainer, load: Callable[[Any], dict[str, Any] |
 
 
 def release_resume(trainer: pl.Trainer) -> None:
-    """Undo :func:`intercept_resume` if the fit ended before restoring, and :func:`before_first_iterator`."""
+    """Undo :func:`intercept_resume` if the fit ended before restoring, :func:`before_first_iterator` and
+    :func:`after_module_batch_end`."""
     trainer._checkpoint_connector.__dict__.pop("resume_start", None)
     trainer.fit_loop.__dict__.pop("_load_combined_loader_states", None)
+    trainer._logger_connector.__dict__.pop("on_batch_end", None)
+
+
+def after_module_batch_end(trainer: pl.Trainer, fn: Callable[[], None]) -> None:
+    """Call ``fn()`` right after the LightningModule's own ``on_train_batch_end``, before anything else.
+
+    Lightning calls every callback's ``on_train_batch_end`` before the module's, so a callback's hook sees a
+    batch the module has not finished: an EMA update or random draws in the module's hook would be missing from a
+    save taken there. The training loop calls ``trainer._logger_connector.on_batch_end()`` next (nothing changes
+    its progress in between); the evaluation loop calls it too, so ``fn`` decides whether a training batch ended.
+    A later call's ``fn`` runs after an earlier one's. Undone (all of them) by :func:`release_resume`.
+    """
+    connector = trainer._logger_connector
+    original = connector.on_batch_end
+
+    def on_batch_end() -> None:
+        original()
+        fn()
+
+    connector.on_batch_end = on_batch_end
 
 
 def allow_without_lightning_checkpointing(callback_type: type) -> None:

@@ -15,7 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
 from lightning_ft import _lightning_internals as internals
 from lightning_ft._data import EpochStart
-from lightning_ft._state import METRICS, rank0_buffers, to_core
+from lightning_ft._state import FROZEN, METRICS, frozen_parameters, rank0_buffers, to_core
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -37,6 +37,7 @@ class Snapshots:
         metrics = internals.metric_states(trainer.lightning_module) if loops is None else {}
         if metrics:  # not at a safe point (an exception's save): the metrics counted batches after it
             checkpoint[METRICS] = metrics
+        checkpoint[FROZEN] = frozen_parameters(trainer.lightning_module)
         engine = self.engine_state(trainer)
         if engine:  # the engine saves model and optimizer itself, as in Lightning's own DeepSpeed checkpoints
             checkpoint = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}

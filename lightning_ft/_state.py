@@ -46,6 +46,10 @@ PER_RANK_MAX_BYTES = 1 << 20
 METRICS = "lightning_ft_metrics"
 """The entry of the saved dict that holds the torchmetrics states (each rank's own, synchronized only when computed:
 stored per rank whatever their size); taken out of the dict before Lightning restores it."""
+FROZEN = "lightning_ft_frozen"
+"""The entry that names the model's parameters that did not require grad at the save: a callback such as
+``BackboneFinetuning`` freezes and unfreezes them as training goes, and no Lightning checkpoint keeps that; taken out
+of the dict before Lightning restores it."""
 _TENSOR, _NDARRAY = "__lightning_ft_tensor__", "__lightning_ft_ndarray__"
 _PLAIN = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 
@@ -208,3 +212,24 @@ def rank0_buffers(state_dict: Mapping[str, Any], module: torch.nn.Module) -> Map
             dist.broadcast(copy, src=0)
             out[key] = copy
     return out
+
+
+def frozen_parameters(module: torch.nn.Module) -> list[str]:
+    """The names of the parameters of ``module`` that do not require grad.
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+        >>> net[0].requires_grad_(False) and frozen_parameters(net)
+        ['0.weight', '0.bias']
+    """
+    return [name for name, p in module.named_parameters() if not p.requires_grad]
+
+
+def restore_frozen(module: torch.nn.Module, frozen: list[str]) -> list[str]:
+    """Make the parameters named in ``frozen`` the only ones of ``module`` that do not require grad, as at the save
+    :func:`frozen_parameters` described; returns the names of those changed."""
+    names = set(frozen)
+    changed = [name for name, p in module.named_parameters() if p.requires_grad == (name in names)]
+    for name, p in module.named_parameters():
+        p.requires_grad_(name not in names)
+    return changed

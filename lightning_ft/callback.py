@@ -47,7 +47,7 @@ from lightning_ft import _messages as messages
 from lightning_ft._data import EpochStart
 from lightning_ft._on_exception import SafePoints, run_within
 from lightning_ft._snapshot import Snapshots
-from lightning_ft._state import METRICS, check_model_tensors, from_core
+from lightning_ft._state import FROZEN, METRICS, check_model_tensors, from_core, restore_frozen
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -221,6 +221,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         self._unreported: list[SaveStats] = []
         self._active = False
         self._held_gradients: PendingGradients | None = None
+        self._batch_ended = False  # a training batch ended: save (if due) after the module's own hook
 
     # -- lifecycle -----------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -244,6 +245,7 @@ class FaultTolerantCheckpoint(Checkpoint):
             self._safe.setup(trainer)
         internals.intercept_resume(trainer, lambda ckpt_path: self._load(trainer, ckpt_path))
         internals.before_first_iterator(trainer, lambda: self._capture_epoch_start(trainer))
+        internals.after_module_batch_end(trainer, lambda: self._after_batch(trainer))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # manual optimization: several optimizers, stepped at their own rates
@@ -298,6 +300,15 @@ class FaultTolerantCheckpoint(Checkpoint):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        # the module's own on_train_batch_end runs after every callback's, and what it does (an EMA update, random
+        # draws) belongs to this batch: the batch is saved right after it (internals.after_module_batch_end)
+        self._batch_ended = True
+
+    def _after_batch(self, trainer: pl.Trainer) -> None:
+        """The end of a training batch, after the LightningModule's ``on_train_batch_end``: save if due."""
+        if not self._batch_ended:  # the evaluation loop's batch
+            return
+        self._batch_ended = False
         assert self.manager is not None
         self._report_commits(trainer)
         step = trainer.global_step
@@ -400,6 +411,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         loader = from_core(state["loader"])
         checkpoint = from_core(state["lightning"])
         self._resume = {"rng": self.manager.resumed_rng, "metrics": checkpoint.pop(METRICS, None),
+                        "frozen": checkpoint.pop(FROZEN, None),
                         "epoch_start": EpochStart.from_state(loader), "world_size": loader.get("world_size")}
         return checkpoint
 
@@ -409,6 +421,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         self._epoch_start = start
         self._metrics_restored = resume["metrics"] is not None
         internals.restore_metric_states(trainer.lightning_module, resume["metrics"])
+        self._restore_frozen(trainer, resume["frozen"])
         skip = internals.batches_done_in_epoch(trainer)
         messages.warn_world_size(trainer, resume["world_size"], skip)
         self._resumed_skip = skip
@@ -432,6 +445,15 @@ class FaultTolerantCheckpoint(Checkpoint):
                             "dataset, or a loader with state_dict()/load_state_dict()", skip, skip, skip, skip)
         if resume["rng"] is not None:
             set_rng_state(resume["rng"])
+
+    @staticmethod
+    def _restore_frozen(trainer: pl.Trainer, frozen: list[str] | None) -> None:
+        """Which parameters require grad, as at the saved step (None: saved by an older version)."""
+        changed = None if frozen is None else restore_frozen(trainer.lightning_module, frozen)
+        if changed:
+            rank_zero_info(f"FaultTolerantCheckpoint: {len(changed)} parameters (un)frozen as at the saved step (a "
+                           f"callback such as BackboneFinetuning changed them during training): {', '.join(changed[:5])}"
+                           + (", ..." if len(changed) > 5 else ""))
 
     # -- saving --------------------------------------------------------------------------------
     @staticmethod

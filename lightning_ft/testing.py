@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, RandomSampler, WeightedRandomSampler
 
+from lightning_ft import _lightning_internals as internals
+
 LOADERS = ("shuffle", "generator", "sampler_generator", "weighted_generator")
 """How :class:`Data` shuffles: ``DataLoader(shuffle=True)`` (the global torch RNG), ``DataLoader(shuffle=True,
 generator=torch.Generator().manual_seed(s))``, ``DataLoader(sampler=RandomSampler(ds, generator=...))``
@@ -57,7 +59,9 @@ class Net(pl.LightningModule):
                                  nn.Dropout(0.3), nn.Linear(32, 1))
         self.seen: list[tuple[int, int, list[int]]] = []
         self.kill: Any = None
-        """Called as ``kill(trainer)`` after every batch, after all callbacks (tests use it to crash)."""
+        """Called as ``kill(trainer)`` after every training batch, after all callbacks and the batch's save (tests
+        use it to crash)."""
+        self._batch_ended = False
         self.in_step: Any = None
         """Called as ``in_step(trainer)`` inside every ``training_step`` (tests send signals from there)."""
 
@@ -80,9 +84,20 @@ class Net(pl.LightningModule):
         if datamodule is not None:
             datamodule.train_epochs += 1
 
+    def on_fit_start(self) -> None:
+        # after the batch's save: FaultTolerantCheckpoint saves after this module's on_train_batch_end
+        internals.after_module_batch_end(self.trainer, self._after_batch)
+
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.kill is not None:
+        self._batch_ended = True
+
+    def _after_batch(self) -> None:
+        if self._batch_ended and self.kill is not None:
+            self._batch_ended = False
             self.kill(self.trainer)
+
+    def teardown(self, stage: str) -> None:
+        internals.release_resume(self.trainer)  # undoes on_fit_start's hook too
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"])

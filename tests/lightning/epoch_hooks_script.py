@@ -1,7 +1,8 @@
 """A Lightning job whose schedule depends on epoch-level hooks: ``ReduceLROnPlateau`` on ``val_loss``,
 ``StochasticWeightAveraging``, an ``EarlyStopping`` that stops in the middle of an epoch, or torchmetrics metrics
-accumulated over an epoch, one of them monitored by ``ReduceLROnPlateau`` (see
-``test_epoch_hooks.py``).
+accumulated over an epoch, one of them monitored by ``ReduceLROnPlateau``, or state that the LightningModule's own
+``on_train_batch_end`` changes (an EMA of the weights, a random draw, a hand-written weight decay), or a backbone that
+``BackboneFinetuning`` unfreezes at epoch 1 (see ``test_epoch_hooks.py``).
 
     python tests/lightning/epoch_hooks_script.py DIRPATH OUT --pattern plateau [--kill-at STEP] [--no-callback]
 
@@ -21,24 +22,36 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torchmetrics
-from lightning.pytorch.callbacks import EarlyStopping, StochasticWeightAveraging
+from lightning.pytorch.callbacks import BackboneFinetuning, EarlyStopping, StochasticWeightAveraging
 from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ft import FaultTolerantCheckpoint
 
 
 class Net(pl.LightningModule):
-    def __init__(self, plateau: bool, metrics: str | None = None) -> None:
+    def __init__(self, plateau: bool, metrics: str | None = None, module_hooks: bool = False) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 1))
         self.plateau, self.metrics_file = plateau, metrics
         if metrics is not None:  # torchmetrics: one computed by hand at the epoch's end, one logged as an object
             self.train_mean, self.train_mae = torchmetrics.MeanMetric(), torchmetrics.MeanAbsoluteError()
+        self.ema = AveragedModel(self.net, multi_avg_fn=get_ema_multi_avg_fn(0.9)) if module_hooks else None
+        self.backbone = nn.Linear(8, 8)  # BackboneFinetuning freezes it until its unfreeze epoch
+        self.register_buffer("scale", torch.ones(1))
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.ema is not None:  # Lightning calls this after every callback's on_train_batch_end
+            self.ema.update_parameters(self.net)
+            self.scale.copy_(1 + 0.1 * torch.rand(1))  # a draw here: the next batch's loss depends on it
+            with torch.no_grad():
+                for p in self.net.parameters():
+                    p.mul_(0.999)  # weight decay by hand, outside the optimizer's step
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        prediction = self.net(batch[0])
-        loss = nn.functional.mse_loss(prediction, batch[1])
+        prediction = self.net(batch[0] + self.backbone(batch[0]))
+        loss = nn.functional.mse_loss(prediction, batch[1]) * self.scale
         if self.metrics_file is not None:
             self.train_mean.update(loss.detach())
             self.train_mae(prediction.detach(), batch[1])
@@ -60,7 +73,7 @@ class Net(pl.LightningModule):
         self.log("val_loss", nn.functional.mse_loss(self.net(batch[0]), batch[1]))
 
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.AdamW(self.parameters(), lr=0.05)
+        opt = torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.05)
         if not self.plateau:
             return opt
         plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0, threshold=0.5)
@@ -91,7 +104,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("dirpath")
     p.add_argument("out")
-    p.add_argument("--pattern", choices=["plateau", "swa", "early_stop", "torchmetrics"], required=True)
+    p.add_argument("--pattern", choices=["plateau", "swa", "early_stop", "torchmetrics", "module_hooks",
+                                                "finetuning"], required=True)
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--no-callback", action="store_true")
     args = p.parse_args()
@@ -106,6 +120,8 @@ def main() -> None:
     if args.pattern == "swa":  # averaging from epoch 0, SWALR annealing over 2 epochs
         callbacks.append(StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1, annealing_epochs=2))
         options["max_epochs"] = 4
+    if args.pattern == "finetuning":
+        callbacks.append(BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.5))
     if args.pattern == "early_stop":  # validation every 5 batches; stops inside an epoch
         callbacks.append(EarlyStopping(monitor="val_loss", patience=1, min_delta=0.01))
         options.update(max_epochs=20, val_check_interval=5)
@@ -114,7 +130,9 @@ def main() -> None:
                          devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, deterministic=True, enable_checkpointing=ft is not None, **options)
     metrics = os.path.join(args.out, "metrics.jsonl") if args.pattern == "torchmetrics" else None
-    trainer.fit(Net(plateau=args.pattern in ("plateau", "torchmetrics"), metrics=metrics), train, val)
+    net = Net(plateau=args.pattern in ("plateau", "torchmetrics"), metrics=metrics,
+              module_hooks=args.pattern == "module_hooks")
+    trainer.fit(net, train, val)
 
 
 if __name__ == "__main__":

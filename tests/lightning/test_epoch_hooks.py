@@ -33,10 +33,15 @@ def batches(out: str) -> dict[int, dict]:
         return {row["step"]: row for row in map(json.loads, f)}
 
 
-@pytest.mark.parametrize(("pattern", "kills"), [("plateau", (7, 22)), ("swa", (7, 31))])
+@pytest.mark.parametrize(("pattern", "kills"), [("plateau", (7, 22)), ("swa", (7, 31)), ("module_hooks", (8, 23)),
+                                                  ("finetuning", (8, 23))])
 def test_a_resume_inside_an_epoch_keeps_its_epoch_level_schedule_exact(tmp_path, pattern, kills):
     """``plateau``: the resumed epochs' plateau steps were skipped (learning rate 0.05 where the uninterrupted run
-    had halved it); ``swa``: the resumed epoch ran without its SWALR scheduler (its annealing step lost)."""
+    had halved it); ``swa``: the resumed epoch ran without its SWALR scheduler (its annealing step lost);
+    ``module_hooks``: what the LightningModule's ``on_train_batch_end`` did at a saved step (an EMA update, a random
+    draw, a weight decay by hand) was missing from the save: Lightning calls it after every callback's hook;
+    ``finetuning``: a resume after BackboneFinetuning's unfreeze epoch left the backbone frozen to the end (its
+    optimizer param group restored, its parameters never trained)."""
     train(tmp_path, "ref", "--pattern", pattern, "--no-callback")
     train(tmp_path, "out", "--pattern", pattern, "--kill-at", kills[0], killed=True)
     output = train(tmp_path, "out", "--pattern", pattern, "--kill-at", kills[1], killed=True)  # resumes in epoch 0
