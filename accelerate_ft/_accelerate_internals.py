@@ -87,6 +87,17 @@ def base_loader(loader: Any) -> DataLoader | None:
     return loader
 
 
+def from_torchdata(loader: Any) -> bool:
+    """Whether ``loader`` is or holds torchdata's ``StatefulDataLoader`` or one of its samplers (a loader prepared with
+    ``DataLoaderConfiguration(use_stateful_dataloader=True)``, or a ``StatefulDataLoader`` given to ``prepare``)."""
+    if getattr(loader, "use_stateful_dataloader", False):
+        return True
+    parts = [loader, getattr(loader, "base_dataloader", None)]
+    parts += [getattr(p, name, None) for p in parts for name in ("sampler", "batch_sampler")]
+    parts += [getattr(p, "sampler", None) for p in parts[2:]]
+    return any(type(p).__module__.startswith("torchdata") for p in parts if p is not None)
+
+
 def batches_to_skip(loader: Any, steps: int) -> int:
     """What to pass ``skip_first_batches(loader, n)`` to skip ``loader``'s first ``steps`` batches.
 

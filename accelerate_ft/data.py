@@ -214,6 +214,11 @@ class EpochReader:
             self._plan = {skip + i: decode_rng_state(s) for i, s in enumerate(prefetched)}
             self._plan[skip + len(prefetched)] = resume_rng
         self._batches: _IndexBatches | None = None
+        if resume_rng is not None and internals.from_torchdata(loader):
+            log.warning("resumed epoch %d of a loader from torchdata (StatefulDataLoader, use_stateful_dataloader=True): "
+                        "its position is restored by skipping batches, but its order and random state may differ from "
+                        "an uninterrupted run's (not exact). HINT: a plain torch DataLoader (use_stateful_dataloader="
+                        "False) is resumed exactly", epoch)
 
     def prefetched(self, batches_done: int) -> list[dict[str, Any]]:
         """The RNG states right before each batch fetched from index ``batches_done`` on (as plain data).

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.utils.data import RandomSampler
 
 from lightning_ft import _lightning_internals as internals
 from lightning_ft._state import encode_tensor, from_core
@@ -48,6 +49,20 @@ def generators(dataloader: Any) -> dict[str, torch.Generator]:
         if isinstance(g, torch.Generator) and all(g is not other for other in found.values()):
             found[path] = g
     return found
+
+
+def draws_from_torch_rng(dataloader: Any) -> bool:
+    """Whether a new iterator of ``dataloader`` draws from the global torch RNG: the shuffle of a ``RandomSampler``
+    without a generator, or the workers' base seed of a loader without one.
+
+    Example:
+        >>> from torch.utils.data import DataLoader
+        >>> draws_from_torch_rng(DataLoader(range(4), shuffle=True)), draws_from_torch_rng(DataLoader(range(4)))
+        (True, False)
+    """
+    if getattr(dataloader, "num_workers", 0) > 0 and getattr(dataloader, "generator", None) is None:
+        return True
+    return any(isinstance(s, RandomSampler) and s.generator is None for _, s in internals.samplers(dataloader))
 
 
 def sampler_seeds(dataloader: Any) -> dict[str, int]:

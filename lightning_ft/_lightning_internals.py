@@ -372,6 +372,14 @@ def replay_epoch(trainer: pl.Trainer, restore_epoch_start: Callable[[], None], s
     return True
 
 
+def cycled_loaders(trainer: pl.Trainer) -> list[Any]:
+    """The train loaders that the current epoch's iterator started over (``CombinedLoader`` mode ``max_size_cycle``
+    restarts the shorter loaders while the longest runs: ``_MaxSizeCycle._consumed``)."""
+    combined = trainer.fit_loop._combined_loader
+    consumed = getattr(getattr(combined, "_iterator", None), "_consumed", None) or []
+    return [dl for dl, restarted in zip(combined.flattened, consumed) if restarted] if combined is not None else []
+
+
 def _can_skip_without_loading(iterator: Any) -> bool:
     return isinstance(iterator, _SingleProcessDataLoaderIter) and iterator._dataset_kind == _DatasetKind.Map
 

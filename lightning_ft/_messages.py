@@ -11,7 +11,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
@@ -72,6 +72,30 @@ def warn_world_size(trainer: pl.Trainer, saved: int | None, skip: int) -> None:
         f"but split and ordered differently than on {_ranks(saved)}; rank r continues with the RNG states "
         f"saved by rank r mod {saved}; the global batch size changes with the rank count. HINT: restart on "
         f"{_ranks(saved)} to resume exactly")
+
+
+def warn_cycled_loaders(trainer: pl.Trainer, loaders: list[Any]) -> None:
+    """Warn about train ``loaders`` that started over inside the batches a resume skipped (``CombinedLoader`` mode
+    ``max_size_cycle``) and drew their new order from the torch RNG: it was not the state the uninterrupted run drew
+    it from."""
+    if loaders:
+        rank_zero_warn(
+            f"{PREFIX}{len(loaders)} of the train loaders started over inside the {internals.batches_done_in_epoch(trainer)} "
+            f"batches of epoch {trainer.current_epoch} done before the resume (CombinedLoader mode 'max_size_cycle'), "
+            f"drawing their new order from the torch RNG: not from the state the uninterrupted run drew it from, so "
+            f"their batches differ for the rest of this epoch (not exact). HINT: give each such DataLoader its own "
+            f"generator=torch.Generator().manual_seed(s): it is restored exactly")
+
+
+def warn_stateful_loaders_with_workers(trainer: pl.Trainer) -> None:
+    """Warn when train loaders that restore their own position (torchdata's ``StatefulDataLoader``) have workers:
+    each worker's random state is not restored with it."""
+    if any(getattr(dl, "num_workers", 0) > 0 for dl in internals.train_loaders(trainer)):
+        rank_zero_warn(
+            f"{PREFIX}the train loader restores its own position (state_dict/load_state_dict: Lightning resumes it), "
+            f"but not its workers' random state: random numbers drawn in Dataset.__getitem__ (augmentation) differ "
+            f"from an uninterrupted run's for the rest of epoch {trainer.current_epoch} (not exact). HINT: a plain "
+            f"torch DataLoader is resumed exactly, its workers included")
 
 
 def _ranks(n: int) -> str:

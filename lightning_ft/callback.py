@@ -44,7 +44,7 @@ from ft_checkpoint.state import set_rng_state
 from ft_checkpoint.store.storage import Storage
 from lightning_ft import _lightning_internals as internals
 from lightning_ft import _messages as messages
-from lightning_ft._data import EpochStart
+from lightning_ft._data import EpochStart, draws_from_torch_rng
 from lightning_ft._on_exception import SafePoints, run_within
 from lightning_ft._snapshot import Snapshots
 from lightning_ft._state import FROZEN, METRICS, check_model_tensors, from_core, restore_frozen
@@ -433,10 +433,14 @@ class FaultTolerantCheckpoint(Checkpoint):
                                 "of them (saved after an exception, or by an older version), so their values for this "
                                 "epoch cover the batches since the resume only", ", ".join(sorted(metrics)),
                                 trainer.current_epoch)
-        if 0 < skip < trainer.num_training_batches and not internals.loaders_restore_themselves(trainer):
+        if 0 < skip < trainer.num_training_batches and internals.loaders_restore_themselves(trainer):
+            messages.warn_stateful_loaders_with_workers(trainer)
+        elif 0 < skip < trainer.num_training_batches:
             loaders = internals.train_loaders(trainer)
             if start is not None and internals.replay_epoch(trainer, lambda: start.restore(loaders), skip):
                 self._undo_warning = internals.silence_midepoch_warning()
+                messages.warn_cycled_loaders(trainer, [dl for dl in internals.cycled_loaders(trainer)
+                                                       if draws_from_torch_rng(dl)])
             elif trainer.is_global_zero:
                 log.warning("cannot put this train dataloader back at batch %d of the epoch (it has no length, or "
                             "training_step takes the iterator): the epoch restarts from its first batch while "

@@ -454,6 +454,23 @@ def test_a_restart_with_another_batch_size_warns_that_the_position_is_off(make_a
     assert "had 8 batches per process, this run's loader has 16" in caplog.text, caplog.text
 
 
+def test_a_resumed_stateful_dataloader_warns_that_it_is_not_exact(make_accelerator, clean_env, tmp_path, caplog):
+    """``use_stateful_dataloader=True``: Accelerate's ``skip_first_batches`` rebuilds it as a plain DataLoader (and
+    the prepared loader made its first iterator at ``prepare``): the resumed epoch trained other samples, silently."""
+    pytest.importorskip("torchdata")
+    from accelerate.utils import DataLoaderConfiguration
+
+    url = str(tmp_path / "ckpt")
+    for stop_after in (4, 1):
+        acc = make_accelerator(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
+        model, opt, loader = prepared(acc, batches=8)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="accelerate_ft"), FaultTolerantCheckpoint(acc, url) as ft:
+            train(ft, acc, model, opt, loader, stop_after=stop_after)
+    assert ft.resumed_from == 4
+    assert "resumed epoch 0 of a loader from torchdata" in caplog.text and "not exact" in caplog.text, caplog.text
+
+
 @pytest.mark.parametrize(("g_steps_after", "interval", "saved"), [(1, 1, [2, 4, 6, 8]), (0, 4, [5, 8])])
 def test_a_save_waits_for_a_batch_where_no_optimizer_holds_gradients_for_a_later_step(make_accelerator, clean_env,
                                                                                      g_steps_after, interval, saved):

@@ -43,6 +43,21 @@ def test_private_names_exist():
         f"{HINT}: the mid-epoch resume warning changed"
 
 
+def test_the_save_after_the_modules_batch_end_and_the_cycled_loaders_rely_on_what_lightning_does():
+    """The training loop calls the module's ``on_train_batch_end`` after the callbacks' and the logger connector's
+    ``on_batch_end`` right after it; ``max_size_cycle`` marks the loaders it started over in ``_consumed``."""
+    from lightning.pytorch.utilities.combined_loader import _MaxSizeCycle
+
+    source = inspect.getsource(training_epoch_loop._TrainingEpochLoop.advance)
+    calls = ['_call_callback_hooks(trainer, "on_train_batch_end"', '_call_lightning_module_hook(trainer, '
+             '"on_train_batch_end"', "trainer._logger_connector.on_batch_end()"]
+    at = [source.find(call) for call in calls]
+    assert -1 not in at and at == sorted(at), f"{HINT}: the order of the training loop's batch-end calls changed"
+    cycle = iter(_MaxSizeCycle([[1, 2, 3], [1]]))
+    next(cycle), next(cycle)
+    assert cycle._consumed == [False, True], f"{HINT}: _MaxSizeCycle._consumed"
+
+
 def test_what_a_lightning_cli_restart_relies_on_exists():
     """``SaveConfigCallback.setup`` refuses an existing config file unless ``overwrite``; Lightning moves every
     ``Checkpoint`` callback after it. The whole path runs in tests/lightning/test_cli.py."""

@@ -12,18 +12,21 @@ import logging
 import os
 import re
 import threading
+import warnings
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities import CombinedLoader
+from torch.utils.data import DataLoader
 
 from ft_checkpoint import ConfigError, StateMismatchError
 from ft_checkpoint.format import layout
 from ft_checkpoint.store.storage import Storage
 from lightning_ft import FaultTolerantCheckpoint
-from lightning_ft.testing import Data, assert_same, final_state, fit
+from lightning_ft.testing import Crash, Data, IndexedData, Net, assert_same, final_state, fit, trainer
 
 
 def ft(dirpath, **kw) -> FaultTolerantCheckpoint:
@@ -299,3 +302,76 @@ def test_lazy_snapshot_resumes_exactly(tmp_path, reference):
     assert cb.resumed_from == 20
     assert_same(reference[0], final_state(model, trainer))
     assert data_module.train_epochs == reference[1]
+
+
+class _TwoLoaders(Net):
+    def training_step(self, batch, batch_idx):  # CombinedLoader's dict batch: both loaders' samples at once
+        return super().training_step(tuple(torch.cat(parts) for parts in zip(batch["a"], batch["b"])), batch_idx)
+
+
+@pytest.mark.parametrize("generator", [False, True])
+def test_a_loader_started_over_before_the_resume_point_warns_unless_it_has_a_generator(tmp_path, generator):
+    """``CombinedLoader(mode="max_size_cycle")`` starts a shorter loader over inside the epoch: replaying the epoch
+    to the resume point drew its new shuffle from the torch RNG of the epoch's start, not the one the uninterrupted
+    run drew it from, and the rest of the epoch trained other samples of it, silently. A generator of its own is
+    restored exactly: no warning then."""
+    def loaders() -> CombinedLoader:
+        own = {"generator": torch.Generator().manual_seed(5)} if generator else {}
+        return CombinedLoader({"a": DataLoader(IndexedData(96), batch_size=8, shuffle=True),  # 12 batches
+                               "b": DataLoader(IndexedData(40), batch_size=8, shuffle=True, **own)}, "max_size_cycle")
+
+    def run(crash_at: int | None, ckpt: str = "ckpt") -> tuple[list[str], dict]:
+        pl.seed_everything(0, verbose=False)
+        model = _TwoLoaders()
+
+        def kill(t: pl.Trainer) -> None:
+            if t.global_step == crash_at:
+                raise Crash(f"crash after step {crash_at}")
+
+        model.kill = kill
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t = trainer([FaultTolerantCheckpoint(str(tmp_path / ckpt), interval=4)], max_epochs=2, limit_val_batches=0)
+            try:
+                t.fit(model, train_dataloaders=loaders())
+            except Crash:
+                pass
+        return [str(w.message) for w in caught if "started over" in str(w.message)], final_state(model, t)
+
+    assert run(crash_at=20)[0] == []  # epoch 1, 8 batches done; the 5 batches of "b" started over at the 6th
+    warned, resumed = run(crash_at=None)
+    assert len(warned) == (0 if generator else 1), warned
+    if not generator:
+        assert "1 of the train loaders started over inside the 8 batches of epoch 1" in warned[0]
+        assert "HINT: give each such DataLoader its own generator" in warned[0]
+    else:  # exact: as an uninterrupted run
+        assert_same(run(crash_at=None, ckpt="ref")[1], resumed)
+
+
+def test_a_stateful_dataloader_with_workers_warns_that_their_random_state_is_not_restored(tmp_path):
+    """torchdata's ``StatefulDataLoader`` restores its position (Lightning calls its ``load_state_dict``), not its
+    workers' RNG: the resumed epoch's augmented inputs differed from an uninterrupted run's, silently."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def run(crash_at: int | None) -> list[str]:
+        pl.seed_everything(0, verbose=False)
+        model = Net()
+
+        def kill(t: pl.Trainer) -> None:
+            if t.global_step == crash_at:
+                raise Crash(f"crash after step {crash_at}")
+
+        model.kill = kill
+        loader = stateful.StatefulDataLoader(IndexedData(96, augment=True), batch_size=8, shuffle=True, num_workers=1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                trainer([FaultTolerantCheckpoint(str(tmp_path / "ckpt"), interval=4)], max_epochs=1,
+                        limit_val_batches=0).fit(model, train_dataloaders=loader)
+            except Crash:
+                pass
+        return [str(w.message) for w in caught if "workers' random state" in str(w.message)]
+
+    assert run(crash_at=5) == []
+    warned = run(crash_at=None)
+    assert len(warned) == 1 and "rest of epoch 0 (not exact)" in warned[0], warned
