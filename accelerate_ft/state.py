@@ -32,15 +32,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
-    set_state_dict,
+    set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
 
 from accelerate_ft import _accelerate_internals as internals
-from ft_checkpoint import ConfigError
+from ft_checkpoint import ConfigError, StateMismatchError
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -83,9 +84,24 @@ class ModelState:
         if "optimizers" not in state:
             raise ConfigError("the checkpoint has this model without optimizer state, but this run prepared "
                               f"{len(self.optimizers)} optimizer(s) for it. HINT: prepare the same objects as the run that saved")
-        with _no_initial_step(self.model, self.optimizers):
-            set_state_dict(self.model, self.optimizers, model_state_dict=state["model"],
-                           optim_state_dict=state["optimizers"])
+        _check_param_groups(self.optimizers, state["optimizers"])
+        set_model_state_dict(self.model, state["model"])
+        with _no_initial_step(self.model, self.optimizers):  # not strict: LBFGS keeps its state under one parameter
+            set_optimizer_state_dict(self.model, self.optimizers, state["optimizers"],
+                                     options=StateDictOptions(strict=False))
+
+
+def _check_param_groups(optimizers: Sequence[torch.optim.Optimizer], saved: Mapping[str, Any]) -> None:
+    """Raise StateMismatchError if the checkpoint's optimizers have another number of param groups than ``optimizers``:
+    DCP maps optimizer state by parameter name and drops, without a word, what the live optimizers lack (a group
+    added during training with ``add_param_group``, which the resumed run has not added yet)."""
+    groups = sum(len(opt.param_groups) for opt in optimizers)
+    if len(saved.get("param_groups", [])) != groups:
+        raise StateMismatchError(
+            f"the checkpoint's optimizers have {len(saved.get('param_groups', []))} param groups, this run's {groups}: "
+            "loading it would drop the optimizer state (and the training) of the parameters of the groups this run "
+            "lacks. HINT: add the same param groups (optimizer.add_param_group) before FaultTolerantCheckpoint(...) "
+            "resumes, as they were at the saved step")
 
 
 @contextlib.contextmanager
