@@ -74,6 +74,17 @@ def warn_world_size(trainer: pl.Trainer, saved: int | None, skip: int) -> None:
         f"{_ranks(saved)} to resume exactly")
 
 
+def warn_accumulation(trainer: pl.Trainer, saved: int | None) -> None:
+    """Warn when the checkpoint was saved with another ``accumulate_grad_batches`` (None: an older checkpoint)."""
+    if saved is not None and saved != trainer.accumulate_grad_batches:
+        rank_zero_warn(
+            f"{PREFIX}resuming from step {trainer.global_step}, saved with accumulate_grad_batches={saved}, in a run "
+            f"with accumulate_grad_batches={trainer.accumulate_grad_batches}: the model, optimizer and counters are "
+            f"exact, but from here each step takes another number of batches, so the steps per epoch, step-interval "
+            f"LR schedules and max_steps cover other data than in the run that saved (not exact). HINT: restart with "
+            f"accumulate_grad_batches={saved} to resume exactly")
+
+
 def warn_cycled_loaders(trainer: pl.Trainer, loaders: list[Any]) -> None:
     """Warn about train ``loaders`` that started over inside the batches a resume skipped (``CombinedLoader`` mode
     ``max_size_cycle``) and drew their new order from the torch RNG: it was not the state the uninterrupted run drew

@@ -44,7 +44,8 @@ class Snapshots:
         elif isinstance(trainer.strategy, DDPStrategy) and trainer.world_size > 1:
             checkpoint["state_dict"] = rank0_buffers(checkpoint["state_dict"], trainer.lightning_module)
         loader = epoch_start.to_state() if epoch_start is not None else {}
-        return {"lightning": to_core(checkpoint), "loader": {**loader, "world_size": trainer.world_size}, **engine}
+        loader.update(world_size=trainer.world_size, accumulate_grad_batches=trainer.accumulate_grad_batches)
+        return {"lightning": to_core(checkpoint), "loader": loader, **engine}
 
     def engine_state(self, trainer: pl.Trainer) -> dict[str, Any]:
         """Under DeepSpeed ``{"deepspeed": DeepSpeedState(engine)}``, else ``{}``. The engine exists once

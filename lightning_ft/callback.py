@@ -412,7 +412,8 @@ class FaultTolerantCheckpoint(Checkpoint):
         checkpoint = from_core(state["lightning"])
         self._resume = {"rng": self.manager.resumed_rng, "metrics": checkpoint.pop(METRICS, None),
                         "frozen": checkpoint.pop(FROZEN, None),
-                        "epoch_start": EpochStart.from_state(loader), "world_size": loader.get("world_size")}
+                        "epoch_start": EpochStart.from_state(loader), "world_size": loader.get("world_size"),
+                        "accumulate_grad_batches": loader.get("accumulate_grad_batches")}
         return checkpoint
 
     def _continue_epoch(self, trainer: pl.Trainer, resume: dict[str, Any]) -> None:
@@ -424,6 +425,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         self._restore_frozen(trainer, resume["frozen"])
         skip = internals.batches_done_in_epoch(trainer)
         messages.warn_world_size(trainer, resume["world_size"], skip)
+        messages.warn_accumulation(trainer, resume["accumulate_grad_batches"])
         self._resumed_skip = skip
         if 0 < skip:
             internals.restart_epoch_start_callbacks(trainer)

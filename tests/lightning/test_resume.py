@@ -375,3 +375,20 @@ def test_a_stateful_dataloader_with_workers_warns_that_their_random_state_is_not
     assert run(crash_at=5) == []
     warned = run(crash_at=None)
     assert len(warned) == 1 and "rest of epoch 0 (not exact)" in warned[0], warned
+
+
+
+def test_a_restart_with_another_accumulate_grad_batches_warns(tmp_path):
+    """A restart that accumulates over another number of batches (after an out-of-memory error, say) resumed without a
+    word, though each step from there takes other batches than in the run that saved."""
+    url = str(tmp_path / "ckpt")
+    assert fit([FaultTolerantCheckpoint(url, interval=2)], crash_at=5, accumulate_grad_batches=2)[3]
+    for max_steps, expected in ((7, 1), (9, 0)):  # the second restart resumes a step saved with 1: no warning
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fit([FaultTolerantCheckpoint(url, interval=2)], max_steps=max_steps, accumulate_grad_batches=1)
+        warned = [str(w.message) for w in caught if "accumulate_grad_batches=" in str(w.message)]
+        assert len(warned) == expected, warned
+        if warned:
+            assert "saved with accumulate_grad_batches=2, in a run with accumulate_grad_batches=1" in warned[0]
+            assert "HINT: restart with accumulate_grad_batches=2" in warned[0]
