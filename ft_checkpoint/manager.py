@@ -455,6 +455,10 @@ class CheckpointManager:
         """Refuse (StateMismatchError) a step at or below the newest committed in the directory."""
         newest = max((s for s in (self._newest_committed, self._events.last_committed) if s is not None), default=None)
         if newest is not None and step <= newest:
+            if why is None and self.resumed_from is not None and self.resumed_from < newest:
+                why = (f"this run resumed from step {self.resumed_from} because the newer steps did not fit the state "
+                       "passed to resume (the warnings 'skipping step ...' at its start say why; e.g. a param group or "
+                       "a layer the training adds as it goes, which must be there before resume)")
             refuse_older_step(self.storage, self.groups, step, newest, why=why, signer=self.signer)
 
     def metrics(self) -> dict[str, float]:

@@ -298,6 +298,19 @@ def test_a_save_below_committed_steps_stops_with_a_hint(tmp_path):
     assert sorted(layout.list_steps(Storage(url))) == [100, 110, 120]
 
 
+def test_a_save_below_newer_steps_that_did_not_fit_names_the_fallback(tmp_path):
+    """A resume that fell back past steps that did not fit its state (a key the training adds as it goes) crash-looped
+    at its first save below them with the general causes only; the refusal names the fallback and its reason."""
+    url = str(tmp_path / "ckpt")
+    with CheckpointManager(url, interval=1) as ckpt:
+        ckpt.save(5, {**make(), "grown": torch.ones(4)}, block=True)
+        ckpt.save(10, {**make(), "grown": torch.ones(8)}, block=True)  # grown after step 5
+    with CheckpointManager(url, interval=1) as ckpt:
+        assert ckpt.resume({**make(), "grown": torch.ones(4)}) == 5
+        with pytest.raises(StateMismatchError, match="this run resumed from step 5 because the newer steps did not fit"):
+            ckpt.save(10, {**make(), "grown": torch.ones(4)})
+
+
 def test_a_garbage_manifest_does_not_count_as_committed_for_retention(tmp_path):
     url = str(tmp_path / "ckpt")
     s = Storage(url)
