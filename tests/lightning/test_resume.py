@@ -6,13 +6,17 @@ each resume is a new Trainer, model and datamodule, as after a restart.
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import functools
 import json
 import logging
 import os
 import re
 import threading
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -309,34 +313,43 @@ class _TwoLoaders(Net):
         return super().training_step(tuple(torch.cat(parts) for parts in zip(batch["a"], batch["b"])), batch_idx)
 
 
+def _warnings_of(match: str, fn: Callable[[], Any]) -> tuple[list[str], Any]:
+    """Run ``fn()``: the messages of the warnings it raised that contain ``match``, and what it returned."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fn()
+    return [str(w.message) for w in caught if match in str(w.message)], result
+
+
+def _fit_on(model: Net, loader: Any, url: str, crash_at: int | None, **trainer_kw: Any) -> pl.Trainer:
+    """Fit ``model`` on the train ``loader`` in this process with the callback (a save every 4 steps, no validation),
+    crashing after step ``crash_at``; returns the trainer."""
+    def kill(t: pl.Trainer) -> None:
+        if t.global_step == crash_at:
+            raise Crash(f"crash after step {crash_at}")
+
+    model.kill = kill
+    t = trainer([FaultTolerantCheckpoint(url, interval=4)], limit_val_batches=0, **trainer_kw)
+    with contextlib.suppress(Crash):
+        t.fit(model, train_dataloaders=loader)
+    return t
+
+
 @pytest.mark.parametrize("generator", [False, True])
 def test_a_loader_started_over_before_the_resume_point_warns_unless_it_has_a_generator(tmp_path, generator):
     """``CombinedLoader(mode="max_size_cycle")`` starts a shorter loader over inside the epoch: replaying the epoch
     to the resume point drew its new shuffle from the torch RNG of the epoch's start, not the one the uninterrupted
     run drew it from, and the rest of the epoch trained other samples of it, silently. A generator of its own is
     restored exactly: no warning then."""
-    def loaders() -> CombinedLoader:
-        own = {"generator": torch.Generator().manual_seed(5)} if generator else {}
-        return CombinedLoader({"a": DataLoader(IndexedData(96), batch_size=8, shuffle=True),  # 12 batches
-                               "b": DataLoader(IndexedData(40), batch_size=8, shuffle=True, **own)}, "max_size_cycle")
-
     def run(crash_at: int | None, ckpt: str = "ckpt") -> tuple[list[str], dict]:
         pl.seed_everything(0, verbose=False)
         model = _TwoLoaders()
-
-        def kill(t: pl.Trainer) -> None:
-            if t.global_step == crash_at:
-                raise Crash(f"crash after step {crash_at}")
-
-        model.kill = kill
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            t = trainer([FaultTolerantCheckpoint(str(tmp_path / ckpt), interval=4)], max_epochs=2, limit_val_batches=0)
-            try:
-                t.fit(model, train_dataloaders=loaders())
-            except Crash:
-                pass
-        return [str(w.message) for w in caught if "started over" in str(w.message)], final_state(model, t)
+        own = {"generator": torch.Generator().manual_seed(5)} if generator else {}
+        loaders = CombinedLoader({"a": DataLoader(IndexedData(96), batch_size=8, shuffle=True),  # 12 batches
+                                  "b": DataLoader(IndexedData(40), batch_size=8, shuffle=True, **own)}, "max_size_cycle")
+        warned, t = _warnings_of("started over", lambda: _fit_on(model, loaders, str(tmp_path / ckpt), crash_at,
+                                                                 max_epochs=2))
+        return warned, final_state(model, t)
 
     assert run(crash_at=20)[0] == []  # epoch 1, 8 batches done; the 5 batches of "b" started over at the 6th
     warned, resumed = run(crash_at=None)
@@ -356,26 +369,13 @@ def test_a_stateful_dataloader_with_workers_warns_that_their_random_state_is_not
     def run(crash_at: int | None) -> list[str]:
         pl.seed_everything(0, verbose=False)
         model = Net()
-
-        def kill(t: pl.Trainer) -> None:
-            if t.global_step == crash_at:
-                raise Crash(f"crash after step {crash_at}")
-
-        model.kill = kill
         loader = stateful.StatefulDataLoader(IndexedData(96, augment=True), batch_size=8, shuffle=True, num_workers=1)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                trainer([FaultTolerantCheckpoint(str(tmp_path / "ckpt"), interval=4)], max_epochs=1,
-                        limit_val_batches=0).fit(model, train_dataloaders=loader)
-            except Crash:
-                pass
-        return [str(w.message) for w in caught if "workers' random state" in str(w.message)]
+        return _warnings_of("workers' random state",
+                            lambda: _fit_on(model, loader, str(tmp_path / "ckpt"), crash_at, max_epochs=1))[0]
 
     assert run(crash_at=5) == []
     warned = run(crash_at=None)
     assert len(warned) == 1 and "rest of epoch 0 (not exact)" in warned[0], warned
-
 
 
 def test_a_restart_with_another_accumulate_grad_batches_warns(tmp_path):
@@ -384,10 +384,8 @@ def test_a_restart_with_another_accumulate_grad_batches_warns(tmp_path):
     url = str(tmp_path / "ckpt")
     assert fit([FaultTolerantCheckpoint(url, interval=2)], crash_at=5, accumulate_grad_batches=2)[3]
     for max_steps, expected in ((7, 1), (9, 0)):  # the second restart resumes a step saved with 1: no warning
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            fit([FaultTolerantCheckpoint(url, interval=2)], max_steps=max_steps, accumulate_grad_batches=1)
-        warned = [str(w.message) for w in caught if "accumulate_grad_batches=" in str(w.message)]
+        warned, _ = _warnings_of("accumulate_grad_batches=", functools.partial(
+            fit, [FaultTolerantCheckpoint(url, interval=2)], max_steps=max_steps, accumulate_grad_batches=1))
         assert len(warned) == expected, warned
         if warned:
             assert "saved with accumulate_grad_batches=2, in a run with accumulate_grad_batches=1" in warned[0]
