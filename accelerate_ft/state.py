@@ -95,10 +95,10 @@ def _check_param_groups(optimizers: Sequence[torch.optim.Optimizer], saved: Mapp
     """Raise StateMismatchError if the checkpoint's optimizers have another number of param groups than ``optimizers``:
     DCP maps optimizer state by parameter name and drops, without a word, what the live optimizers lack (a group
     added during training with ``add_param_group``, which the resumed run has not added yet)."""
-    groups = sum(len(opt.param_groups) for opt in optimizers)
-    if len(saved.get("param_groups", [])) != groups:
+    groups, saved_groups = sum(len(opt.param_groups) for opt in optimizers), len(saved.get("param_groups", []))
+    if saved_groups != groups:
         raise StateMismatchError(
-            f"the checkpoint's optimizers have {len(saved.get('param_groups', []))} param groups, this run's {groups}: "
+            f"the checkpoint's optimizers have {saved_groups} param groups, this run's {groups}: "
             "loading it would drop the optimizer state (and the training) of the parameters of the groups this run "
             "lacks. HINT: add the same param groups (optimizer.add_param_group) before FaultTolerantCheckpoint(...) "
             "resumes, as they were at the saved step")

@@ -228,8 +228,9 @@ def frozen_parameters(module: torch.nn.Module) -> list[str]:
 def restore_frozen(module: torch.nn.Module, frozen: list[str]) -> list[str]:
     """Make the parameters named in ``frozen`` the only ones of ``module`` that do not require grad, as at the save
     :func:`frozen_parameters` described; returns the names of those changed."""
-    names = set(frozen)
-    changed = [name for name, p in module.named_parameters() if p.requires_grad == (name in names)]
+    names, changed = set(frozen), []
     for name, p in module.named_parameters():
-        p.requires_grad_(name not in names)
+        if p.requires_grad == (name in names):
+            p.requires_grad_(name not in names)
+            changed.append(name)
     return changed
