@@ -829,18 +829,14 @@ class Storage:
         return not self.exists(rel)
 
     def delete_empty_dir(self, rel: str) -> None:
-        """Remove the directory ``rel`` if it is empty (object stores have no directories: nothing to do)."""
-        if self.is_local:
-            try:
-                os.rmdir(self.path(rel))
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                log.warning("left %s in place: %s: %s", self.url_of(rel), type(e).__name__, e)
-        elif "memory" in _protocols(self.fs):
-            try:
-                self.fs.rmdir(self.path(rel))
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                log.warning("left %s in place: %s: %s", self.url_of(rel), type(e).__name__, e)
+        """Remove the directory ``rel`` if it is empty. GCS and S3 have no directories: nothing to do (their
+        ``rmdir`` deletes buckets). Every other filesystem's own ``rmdir`` (memory, SFTP, HDFS, ``faulty://``): an
+        emptied step directory left there would count as not cleared, and a save of that step refused for good."""
+        if self._bucketed:
+            return
+        try:
+            os.rmdir(self.path(rel)) if self.is_local else self.fs.rmdir(self.path(rel))
+        except FileNotFoundError:
+            pass
+        except (OSError, NotImplementedError) as e:
+            log.warning("left %s in place: %s: %s", self.url_of(rel), type(e).__name__, e)

@@ -64,3 +64,25 @@ def test_permanent_outage_raises_by_default(tmp_path):
     ckpt.close()
     with pytest.raises(StorageError, match="injected outage"):
         CheckpointManager(url, storage_options={**options, "outage": True}, retries=1)
+
+
+def test_a_step_left_half_written_is_saved_again_on_a_filesystem_with_directories(tmp_path):
+    """A job killed while writing step 2 leaves its directory with a partial shard; the restarted job, resuming
+    from step 1, saves step 2 again over it. On a filesystem with directories other than local disk (``faulty://``
+    here; SFTP, HDFS) the emptied directory must be removed too, or the save refused to write "over" it forever."""
+    url, options = faulty(tmp_path)
+    state = make()
+    with CheckpointManager(url, storage_options=options, interval=1) as ckpt:
+        ckpt.save(1, state, block=True)
+    left = tmp_path / "ckpt" / "step_000000000002"
+    left.mkdir()
+    (left / "__0_0.distcp").write_bytes(b"half a shard")
+    with CheckpointManager(url, storage_options=options, interval=1) as ckpt:
+        assert ckpt.resume(make(seed=3)) == 1
+        train_step(state)
+        ckpt.save(2, state, block=True)
+        assert ckpt.latest() == 2 and ckpt.failed_saves == 0
+    resumed = make(seed=4)
+    with CheckpointManager(url, storage_options=options) as ckpt:
+        assert ckpt.resume(resumed) == 2
+    assert_same(resumed, state)
