@@ -58,15 +58,19 @@ class HeldCopy:
         self.gate.set()
 
 
+EDITS = {"no_grad": lambda w: torch.no_grad()(w.mul_)(0.5), "data": lambda w: w.data.mul_(0.5),
+         "numpy": lambda w: w.detach().numpy().__imul__(0.5)}
+"""Three ways to halve a weight in place: the last two bypass its version counter."""
+
+
 def iteration(state: dict[str, Any], step: int, *, accumulate: int = 1, edit_at: int | None = None,
-              before_step: Any = None) -> None:
-    """One training iteration: an in-place edit of a weight (at ``edit_at``), the EMA update of the previous
-    step's weights (right after the previous iteration's save), ``accumulate`` forward/backward passes, the
-    optimizer step."""
+              edit: str = "no_grad", before_step: Any = None) -> None:
+    """One training iteration: an in-place edit of a weight (at ``edit_at``, one of :data:`EDITS`), the EMA
+    update of the previous step's weights (right after the previous iteration's save), ``accumulate``
+    forward/backward passes, the optimizer step."""
     model, opt = state["model"], state["optim"]
     if step == edit_at:
-        with torch.no_grad():
-            model[0].weight.mul_(0.5)
+        EDITS[edit](model[0].weight)
     if "ema" in state and step > 1:
         state["ema"].update_parameters(model)
     for micro in range(accumulate):
@@ -125,19 +129,53 @@ def test_resume_is_bit_exact(tmp_path, ema, accumulate):
     assert_same(state, uninterrupted(8, ema=ema, accumulate=accumulate))
 
 
-def test_a_parameter_edited_before_the_next_step_abandons_the_save(tmp_path, caplog):
-    """A weight edited in place between the save and the next optimizer step (here: after its copy is released)
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_a_parameter_edited_before_the_next_step_abandons_the_save(tmp_path, caplog, edit):
+    """A weight edited in place between the save and the next optimizer step (here: before its copy is released)
     makes the snapshot torn: that save is never committed, later saves copy at once, and the resume (from the
-    next save) is bit-exact. A torn step 3 would hold the edited weight, and its resume would edit it twice."""
+    next save) is bit-exact. A torn step 3 would hold the edited weight, and its resume would edit it twice.
+    Through ``.data`` or NumPy the version counter stays as it was: the ends read at the save tell."""
     with caplog.at_level(logging.WARNING, logger="ft_checkpoint.save.engine"):
-        stats = interrupted(str(tmp_path), saves=(3, 5), crash_at=6, ema=False, edit_at=4)
+        stats = interrupted(str(tmp_path), saves=(3, 5), crash_at=6, ema=False, edit_at=4, edit=edit)
     assert stats[0].abandoned is not None and "model/0.weight" in stats[0].abandoned and not stats[0].committed
     assert "step 3 abandoned" in caplog.text and "model/0.weight" in caplog.text
     assert stats[1].committed and stats[1].deferred == 0  # lazy snapshots are off after a torn one
     assert layout.committed_steps(Storage(str(tmp_path))) == [5]
-    start, state = resumed(str(tmp_path), 8, ema=False, edit_at=4)
+    start, state = resumed(str(tmp_path), 8, ema=False, edit_at=4, edit=edit)
     assert start == 5
-    assert_same(state, uninterrupted(8, ema=False, edit_at=4))
+    assert_same(state, uninterrupted(8, ema=False, edit_at=4, edit=edit))
+
+
+def test_weights_swapped_through_data_while_copied_abandon_the_save(tmp_path):
+    """diffusers' ``EMAModel.store``, ``copy_to`` and ``restore`` around a validation right after a save swap
+    the EMA weights into the model through ``.data`` and back: no version counter moves, and the weights are as
+    at the save again by the next step. A copy made during the swap would commit the EMA weights as the model's
+    (a silent wrong resume); the ends read at the save make that step torn, and the next save is exact."""
+    state, held = make(0, ema=True), HeldCopy()
+    ckpt = CheckpointManager(str(tmp_path), interval=1000, keep_last=5, announce=False)
+    ckpt.engine.phase_hook = held
+    stats = []
+    for step in range(1, 7):
+        iteration(state, step, before_step=held.release)
+        if step in (3, 5):
+            held.hold()
+            stats.append(ckpt.save(step, state))
+            lazy = ckpt.engine._lazy  # None once lazy snapshots are off
+            live = [p for p in state["model"].parameters()]
+            stored = [p.detach().clone() for p in live]
+            for p, e in zip(live, state["ema"].module.parameters()):  # copy_to
+                p.data.copy_(e.data)
+            held.release()
+            if lazy is not None:
+                lazy.wait_copied()  # copied while the EMA weights are in place
+            for p, s in zip(live, stored):  # restore
+                p.data.copy_(s.data)
+    ckpt.close(final=False)
+    assert stats[0].abandoned is not None and "model/0.weight" in stats[0].abandoned and not stats[0].committed
+    assert stats[1].committed and stats[1].deferred == 0
+    start, again = resumed(str(tmp_path), 8, ema=True)
+    assert start == 5
+    assert_same(again, uninterrupted(8, ema=True))
 
 
 def test_close_right_after_a_save_commits_it(tmp_path):
