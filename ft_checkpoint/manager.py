@@ -712,6 +712,7 @@ class CheckpointManager:
             self.journal.record("clean_end", last_step=self.last_save.step if self.last_save else None)
         if self.fast is not None:
             self.fast.close(clean=clean)
+        self.groups.destroy()
 
     def _close_at_exit(self) -> None:
         """At interpreter exit, if the program did not close the manager (a loop without ``with`` or

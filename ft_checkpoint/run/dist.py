@@ -51,6 +51,12 @@ class Groups:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    def destroy(self) -> None:
+        """Destroy the checkpoint groups (local to this process, no collective). A gloo group left alive to the
+        interpreter's exit can abort the process there ("terminate called without an active exception"), and a
+        launcher counts that exit as a failure. No collective may run on them after this."""
+        destroy_groups(self.writer, self.control)
+
     def broadcast(self, obj: T, src: int = 0) -> T:
         """``obj`` of rank ``src`` on every rank (training thread only)."""
         if not self.distributed:
@@ -92,6 +98,16 @@ class Groups:
         if error is not None:
             raise error
         return result
+
+
+def destroy_groups(*groups: Any) -> None:
+    """Destroy each of ``groups`` that is still alive (each once; None, or one destroyed already, is skipped:
+    ``destroy_process_group()`` of the default group destroys every group)."""
+    for group in {id(g): g for g in groups if g is not None}.values():
+        try:
+            dist.destroy_process_group(group)
+        except ValueError:  # "Invalid process group specified": destroyed already
+            pass
 
 
 PEER_GONE = ("connection reset by peer", "connection closed by peer")

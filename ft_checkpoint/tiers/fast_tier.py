@@ -423,6 +423,7 @@ class FastTier:
         if clean:
             self._remove_parts(self.held, when=" at the clean end", whole_folder=self.local_index == 0)
         self.folder.release()
+        self.tier.destroy()
 
     def _remove_parts(self, ranks: Iterable[int], *, when: str, whole_folder: bool = False) -> None:
         """Delete the parts of ``ranks`` in this node's folder, then with ``whole_folder`` the folder itself; a

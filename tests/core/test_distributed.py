@@ -59,3 +59,12 @@ def test_a_key_that_is_a_tensor_on_one_rank_and_a_float_on_another_is_refused_at
                "rank 1" in out, out
         assert f"rank {rank}: saved once fixed" in out, out
     assert "HINT: give 'best_val_loss' one type on every rank" in out
+
+
+def test_the_managers_gloo_groups_are_destroyed_when_it_closes(tmp_path):
+    """A closed manager leaves no gloo group (threads, sockets) behind. A job that ends through ``Preempted`` never
+    runs its own ``destroy_process_group``; a gloo group alive at the interpreter's exit can abort a rank there
+    ("terminate called without an active exception", seen in CI after a preemption: torchrun restarted a job that
+    had ended)."""
+    out = torchrun(2, "groups", str(tmp_path / "ckpt"), str(tmp_path))
+    assert "rank 0: our groups destroyed" in out and "rank 1: our groups destroyed" in out

@@ -11,7 +11,8 @@ and exits non-zero unless everything matches bit for bit. ``per_rank`` keeps a p
 differs by rank, as nanoGPT-style loops do, in ``per_rank=`` and checks each rank gets its own back;
 ``diverge`` puts such a batch in the shared state and checks that the save fails naming it; ``mixed_types``
 keeps nanoGPT's ``best_val_loss``, a 0-dim tensor on rank 0 (which evaluates) and a float on rank 1, and
-checks that ``save`` refuses it on the calling thread, on both ranks, and that nothing was written.
+checks that ``save`` refuses it on the calling thread, on both ranks, and that nothing was written; ``groups``
+checks that closing the manager destroys its own gloo groups and leaves the default one.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def main() -> None:
     mode, url, out = sys.argv[1:4]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if mode in ("per_rank", "diverge", "mixed_types"):
+    if mode in ("per_rank", "diverge", "mixed_types", "groups"):
         globals()[mode](url, rank)
         dist.destroy_process_group()
         return
@@ -109,6 +110,26 @@ def mixed_types(url: str, rank: int) -> None:
         ckpt.save(2, state, block=True)
         assert ckpt.latest() == 2
     print(f"rank {rank}: saved once fixed", flush=True)
+
+
+
+def groups(url: str, rank: int) -> None:
+    """The manager's own gloo groups (and its fast tier's) are destroyed when it closes; the default group is the
+    training's and stays. A gloo group left to the interpreter's exit aborted the process now and then there."""
+    fast = os.path.join(os.path.dirname(url), "fast")
+    ckpt = CheckpointManager(url, interval=1, fast_dirpath=fast, fast_interval=1)
+    ckpt.save(1, make(), block=True)
+    ours = [ckpt.groups.writer, ckpt.groups.control, ckpt.fast.tier.writer]
+    assert all(len(dist.get_process_group_ranks(g)) == 2 for g in ours)
+    ckpt.close()
+    for g in ours:
+        try:
+            dist.get_process_group_ranks(g)
+        except (KeyError, ValueError, RuntimeError):
+            continue
+        raise AssertionError(f"rank {rank}: a checkpoint group outlived the manager's close")
+    dist.barrier()  # the default group still works
+    print(f"rank {rank}: our groups destroyed", flush=True)
 
 
 if __name__ == "__main__":
