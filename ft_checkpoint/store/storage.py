@@ -41,6 +41,7 @@ from typing import Any, NamedTuple, TypeVar
 import fsspec
 import tenacity
 from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
 from ft_checkpoint.errors import (
@@ -107,6 +108,9 @@ RETRY_WINDOW = 60.0
 ``retries`` says): a store that stays down is reported within about this long, never after minutes."""
 _LOCAL_PROTOCOLS = frozenset({"file", "local"})
 _BUCKET_PROTOCOLS = frozenset({"gs", "gcs", "s3", "s3a"})
+_DIRECTORY_PROTOCOLS = frozenset({"memory", "sftp", "ssh", "hdfs", "webhdfs", "arrow_hdfs", "smb", "ftp"})
+"""Filesystems besides local disk whose directories are real, removed with ``rmdir`` once emptied. An object
+store's ``rmdir`` deletes the bucket or container (gcsfs, s3fs, adlfs given one) or nothing: never called there."""
 _EXTRAS = {"gs": "gcs", "gcs": "gcs", "s3": "s3", "s3a": "s3"}
 
 
@@ -376,6 +380,8 @@ class Storage:
         self.is_local = bool(protocols & _LOCAL_PROTOCOLS)
         self._stores_crc32c = bool(protocols & {"gs", "gcs"})  # GCS keeps a CRC-32C of every object
         self._bucketed = bool(protocols & _BUCKET_PROTOCOLS)
+        self._has_directories = self.is_local or isinstance(self.fs, LocalFileSystem) or bool(
+            protocols & _DIRECTORY_PROTOCOLS)  # a LocalFileSystem under another name: faulty:// (tests)
         # Plain read-ahead for streamed reads: gcsfs 2026.10's default "adaptive" background
         # prefetcher was seen to hang on repeated reads of the same object.
         self.read_options: dict[str, Any] = {} if self.is_local else {"cache_type": "readahead"}
@@ -829,10 +835,10 @@ class Storage:
         return not self.exists(rel)
 
     def delete_empty_dir(self, rel: str) -> None:
-        """Remove the directory ``rel`` if it is empty. GCS and S3 have no directories: nothing to do (their
-        ``rmdir`` deletes buckets). Every other filesystem's own ``rmdir`` (memory, SFTP, HDFS, ``faulty://``): an
-        emptied step directory left there would count as not cleared, and a save of that step refused for good."""
-        if self._bucketed:
+        """Remove the directory ``rel`` if it is empty, on a filesystem with real directories (local disk,
+        memory, SFTP, HDFS, ...: an emptied step directory left there would count as not cleared, and a save of
+        that step be refused at every try). Object stores have none: nothing to do."""
+        if not self._has_directories:
             return
         try:
             os.rmdir(self.path(rel)) if self.is_local else self.fs.rmdir(self.path(rel))
