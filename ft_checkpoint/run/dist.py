@@ -52,9 +52,8 @@ class Groups:
         return self.world_size > 1
 
     def destroy(self) -> None:
-        """Destroy the checkpoint groups (local to this process, no collective). A gloo group left alive to the
-        interpreter's exit can abort the process there ("terminate called without an active exception"), and a
-        launcher counts that exit as a failure. No collective may run on them after this."""
+        """Destroy the checkpoint groups (local to this process, no collective): each gloo group keeps two threads
+        and its sockets alive until it is destroyed. No collective may run on them after this."""
         destroy_groups(self.writer, self.control)
 
     def broadcast(self, obj: T, src: int = 0) -> T:

@@ -62,9 +62,7 @@ def test_a_key_that_is_a_tensor_on_one_rank_and_a_float_on_another_is_refused_at
 
 
 def test_the_managers_gloo_groups_are_destroyed_when_it_closes(tmp_path):
-    """A closed manager leaves no gloo group (threads, sockets) behind. A job that ends through ``Preempted`` never
-    runs its own ``destroy_process_group``; a gloo group alive at the interpreter's exit can abort a rank there
-    ("terminate called without an active exception", seen in CI after a preemption: torchrun restarted a job that
-    had ended)."""
+    """A closed manager leaves no gloo group behind: each kept two threads and its sockets for the rest of the
+    process (a job that opens managers in turn, a sweep or a notebook, piled them up)."""
     out = torchrun(2, "groups", str(tmp_path / "ckpt"), str(tmp_path))
     assert "rank 0: our groups destroyed" in out and "rank 1: our groups destroyed" in out

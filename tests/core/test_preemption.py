@@ -25,6 +25,13 @@ SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 TIMEOUT = 300
 
 
+ABORT_AT_EXIT = "terminate called without an active exception"
+"""torch 2.13's gloo, now and then, at a process's exit, whatever the script does: a 2-rank script that only
+initializes gloo, gathers once and exits aborted so in 8 of 30 runs under torchrun here, 2 of 30 with
+``destroy_process_group()`` first (a ``pt_gloo_runloop`` thread ends in ``pthread_exit`` while the interpreter
+finalizes: gdb). torchrun then restarts a job that had ended; a test of the restarts allows that one."""
+
+
 def run(dirpath, out, *args, torchrun=False) -> jobs.Finished:
     """The script alone, or with ``torchrun``: 2 ranks, up to 3 restarts."""
     return jobs.run(SCRIPT, dirpath, out, *args, launcher="torchrun" if torchrun else "python", nproc=2, restarts=3,
@@ -162,11 +169,15 @@ def test_torchrun_signal_to_one_rank_stops_both_at_the_same_step(tmp_path, torch
     proc = run(tmp_path / "ckpt", tmp_path / "out", "--steps", 40, "--signal-rank", 1, "--signal-at", 12,
                torchrun=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "STEP 12" in proc.stdout and "STEP 13" not in proc.stdout and not os.path.exists(tmp_path / "out")
     events = read_journal(Storage(str(tmp_path / "ckpt")))
     assert [(e["step"], e["reason"]) for e in events if e["event"] == "preempted"] == [(12, "SIGUSR1 on rank 1")]
-    proc = run(tmp_path / "ckpt", tmp_path / "out", "--steps", 40, torchrun=True)
-    assert proc.returncode == 0 and "RESUMED 12" in proc.stdout, proc.stdout + proc.stderr
+    if ABORT_AT_EXIT in proc.stderr:  # gloo aborted a rank at its exit after the preemption: torchrun restarted
+        first, resumed, _ = proc.stdout.partition("RESUMED 12")
+        assert "STEP 12" in first and "STEP 13" not in first and resumed, proc.stdout
+    else:
+        assert "STEP 12" in proc.stdout and "STEP 13" not in proc.stdout and not os.path.exists(tmp_path / "out")
+        proc = run(tmp_path / "ckpt", tmp_path / "out", "--steps", 40, torchrun=True)
+        assert proc.returncode == 0 and "RESUMED 12" in proc.stdout, proc.stdout + proc.stderr
     assert same_weights(torchrun_reference, tmp_path / "out" / "final.pt")
 
 
@@ -176,7 +187,8 @@ def test_torchrun_max_restarts_resumes_after_a_rank_is_killed(tmp_path, torchrun
                torchrun=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     resumed = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("RESUMED")]
-    assert resumed in (["none", "10"], ["none", "20"]), proc.stdout  # step 20 if its write beat the kill
+    assert resumed[:2] in (["none", "10"], ["none", "20"]), proc.stdout  # step 20 if its write beat the kill
+    assert resumed[2:] == ["40"] * len(resumed[2:]) and len(resumed) <= 2 + proc.stderr.count(ABORT_AT_EXIT)
     assert same_weights(torchrun_reference, tmp_path / "out" / "final.pt")
     failures, _ = count_failures(attempt_summaries(Storage(str(tmp_path / "ckpt"))))
-    assert failures == 1  # the journal counts the restart as a failure
+    assert failures == 1  # the journal counts the restart as a failure (one after gloo's abort follows a clean end)

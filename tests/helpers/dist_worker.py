@@ -115,7 +115,7 @@ def mixed_types(url: str, rank: int) -> None:
 
 def groups(url: str, rank: int) -> None:
     """The manager's own gloo groups (and its fast tier's) are destroyed when it closes; the default group is the
-    training's and stays. A gloo group left to the interpreter's exit aborted the process now and then there."""
+    training's and stays."""
     fast = os.path.join(os.path.dirname(url), "fast")
     ckpt = CheckpointManager(url, interval=1, fast_dirpath=fast, fast_interval=1)
     ckpt.save(1, make(), block=True)
