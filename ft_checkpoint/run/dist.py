@@ -53,8 +53,13 @@ class Groups:
 
     def destroy(self) -> None:
         """Destroy the checkpoint groups (local to this process, no collective): each gloo group keeps two threads
-        and its sockets alive until it is destroyed. No collective may run on them after this."""
-        destroy_groups(self.writer, self.control)
+        and its sockets alive until it is destroyed. No collective may run on them after this. Each group once;
+        one destroyed already is skipped (``destroy_process_group()`` of the default group destroys every group)."""
+        for group in {id(g): g for g in (self.writer, self.control) if g is not None}.values():
+            try:
+                dist.destroy_process_group(group)
+            except ValueError:  # "Invalid process group specified": destroyed already
+                pass
 
     def broadcast(self, obj: T, src: int = 0) -> T:
         """``obj`` of rank ``src`` on every rank (training thread only)."""
@@ -97,16 +102,6 @@ class Groups:
         if error is not None:
             raise error
         return result
-
-
-def destroy_groups(*groups: Any) -> None:
-    """Destroy each of ``groups`` that is still alive (each once; None, or one destroyed already, is skipped:
-    ``destroy_process_group()`` of the default group destroys every group)."""
-    for group in {id(g): g for g in groups if g is not None}.values():
-        try:
-            dist.destroy_process_group(group)
-        except ValueError:  # "Invalid process group specified": destroyed already
-            pass
 
 
 PEER_GONE = ("connection reset by peer", "connection closed by peer")

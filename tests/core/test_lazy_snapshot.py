@@ -91,9 +91,11 @@ def uninterrupted(last: int, *, ema: bool, **kw: Any) -> dict[str, Any]:
     return state
 
 
-def interrupted(dirpath: str, *, saves: tuple[int, ...], crash_at: int, ema: bool, **kw: Any) -> list:
+def interrupted(dirpath: str, *, saves: tuple[int, ...], crash_at: int, ema: bool, after_save: Any = None,
+                **kw: Any) -> list:
     """Train from step 1, saving at ``saves`` with each deferred copy held until the next optimizer step; stop
-    (no final save) after ``crash_at``. Returns the saves' stats."""
+    (no final save) after ``crash_at``. ``after_save(ckpt, held, state)`` runs right after each save. Returns the
+    saves' stats."""
     state, held = make(0, ema=ema), HeldCopy()
     ckpt = CheckpointManager(dirpath, interval=1000, keep_last=5, announce=False)
     ckpt.engine.phase_hook = held
@@ -103,6 +105,8 @@ def interrupted(dirpath: str, *, saves: tuple[int, ...], crash_at: int, ema: boo
         if step in saves:
             held.hold()
             stats.append(ckpt.save(step, state))
+            if after_save is not None:
+                after_save(ckpt, held, state)
     ckpt.close(final=False)
     assert held.copies > 0, "no copy was deferred"
     return stats
@@ -151,26 +155,19 @@ def test_weights_swapped_through_data_while_copied_abandon_the_save(tmp_path):
     the EMA weights into the model through ``.data`` and back: no version counter moves, and the weights are as
     at the save again by the next step. A copy made during the swap would commit the EMA weights as the model's
     (a silent wrong resume); the ends read at the save make that step torn, and the next save is exact."""
-    state, held = make(0, ema=True), HeldCopy()
-    ckpt = CheckpointManager(str(tmp_path), interval=1000, keep_last=5, announce=False)
-    ckpt.engine.phase_hook = held
-    stats = []
-    for step in range(1, 7):
-        iteration(state, step, before_step=held.release)
-        if step in (3, 5):
-            held.hold()
-            stats.append(ckpt.save(step, state))
-            lazy = ckpt.engine._lazy  # None once lazy snapshots are off
-            live = [p for p in state["model"].parameters()]
-            stored = [p.detach().clone() for p in live]
-            for p, e in zip(live, state["ema"].module.parameters()):  # copy_to
-                p.data.copy_(e.data)
-            held.release()
-            if lazy is not None:
-                lazy.wait_copied()  # copied while the EMA weights are in place
-            for p, s in zip(live, stored):  # restore
-                p.data.copy_(s.data)
-    ckpt.close(final=False)
+    def validate_with_ema(ckpt: CheckpointManager, held: HeldCopy, state: dict[str, Any]) -> None:
+        lazy = ckpt.engine._lazy  # None once lazy snapshots are off
+        live = list(state["model"].parameters())
+        stored = [p.detach().clone() for p in live]
+        for p, e in zip(live, state["ema"].module.parameters()):  # copy_to
+            p.data.copy_(e.data)
+        held.release()
+        if lazy is not None:
+            lazy.wait_copied()  # copied while the EMA weights are in place
+        for p, s in zip(live, stored):  # restore
+            p.data.copy_(s.data)
+
+    stats = interrupted(str(tmp_path), saves=(3, 5), crash_at=6, ema=True, after_save=validate_with_ema)
     assert stats[0].abandoned is not None and "model/0.weight" in stats[0].abandoned and not stats[0].committed
     assert stats[1].committed and stats[1].deferred == 0
     start, again = resumed(str(tmp_path), 8, ema=True)
