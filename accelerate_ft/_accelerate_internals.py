@@ -10,6 +10,9 @@ Accelerate offers no public way to do two things the hook needs:
    ``DataLoaderShard``'s constructor and its ``device``, ``rng_types``, ``synchronized_generator``,
    ``iteration``, ``_drop_last``, ``_non_blocking`` and ``use_stateful_dataloader`` attributes.
 
+Under ``use_stateful_dataloader=True`` a third: torchdata's private ``_initial_iter_for_state_dict``
+says whether Accelerate's ``state_dict()`` call at ``prepare`` left an iterator made in advance.
+
 Each use is a small function here. ``tests/accelerate/test_accelerate_internals.py`` exercises every
 one against the installed Accelerate and fails, naming this module, when a release changes one.
 
@@ -23,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -67,20 +71,24 @@ def _shard_class() -> type | None:
     return DataLoaderShard
 
 
+def _stateful_class() -> type | None:
+    """torchdata's ``StatefulDataLoader``, if torchdata is imported (there is none of them otherwise)."""
+    return getattr(sys.modules.get("torchdata.stateful_dataloader"), "StatefulDataLoader", None)
+
+
 def base_loader(loader: Any) -> DataLoader | None:
-    """The plain torch ``DataLoader`` that reads ``loader``'s map-style dataset by batches of indices, or None.
+    """The torch ``DataLoader`` that reads ``loader``'s map-style dataset by batches of indices, or None.
 
     That is ``loader`` itself, or the one inside a loader prepared by ``accelerator.prepare`` on a
-    single node (``DataLoaderShard``). None for anything else: an iterable dataset, a dispatching
-    loader (``dispatch_batches``), torchdata's ``StatefulDataLoader``, a ``BatchSampler`` passed as
-    ``sampler``.
+    single node (``DataLoaderShard``): a plain one, or torchdata's ``StatefulDataLoader`` (under
+    ``use_stateful_dataloader=True``), a subclass whose iterators draw from the RNG and read batches
+    as a plain one's do. None for anything else: an iterable dataset, a dispatching loader
+    (``dispatch_batches``), a ``BatchSampler`` passed as ``sampler``.
     """
     shard = _shard_class()
     if shard is not None and type(loader) is shard:
-        if getattr(loader, "use_stateful_dataloader", False):
-            return None
         loader = loader.base_dataloader
-    if type(loader) is not DataLoader or isinstance(loader.dataset, IterableDataset):
+    if type(loader) not in (DataLoader, _stateful_class()) or isinstance(loader.dataset, IterableDataset):
         return None
     if loader.batch_sampler is None or isinstance(loader.sampler, BatchSampler):
         return None
@@ -88,14 +96,29 @@ def base_loader(loader: Any) -> DataLoader | None:
 
 
 def from_torchdata(loader: Any) -> bool:
-    """Whether ``loader`` is or holds torchdata's ``StatefulDataLoader`` or one of its samplers (a loader prepared with
-    ``DataLoaderConfiguration(use_stateful_dataloader=True)``, or a ``StatefulDataLoader`` given to ``prepare``)."""
-    if getattr(loader, "use_stateful_dataloader", False):
-        return True
-    parts = [loader, getattr(loader, "base_dataloader", None)]
-    parts += [getattr(p, name, None) for p in parts for name in ("sampler", "batch_sampler")]
-    parts += [getattr(p, "sampler", None) for p in parts[2:]]
+    """Whether ``loader`` holds torchdata's samplers (a ``StatefulDataLoader`` given to ``prepare``), or is or holds
+    its ``StatefulDataLoader`` and :func:`base_loader` finds none (an iterable dataset, ``dispatch_batches``): not
+    resumed exactly. torchdata's ``RandomSampler`` draws a permutation whenever an iterator of it is created, which
+    a loader with workers does twice an epoch and a resume's run through a finished epoch once. A ``DataLoader``
+    prepared with ``use_stateful_dataloader=True`` is not from torchdata here: torch's samplers, a ``base_loader``."""
+    loaders = [loader, getattr(loader, "base_dataloader", None)]
+    samplers = [getattr(p, name, None) for p in loaders for name in ("sampler", "batch_sampler")]
+    samplers += [getattr(p, "sampler", None) for p in samplers]
+    parts = samplers if base_loader(loader) is not None else loaders + samplers
     return any(type(p).__module__.startswith("torchdata") for p in parts if p is not None)
+
+
+def drop_iterator_made_for_state_dict(loader: Any) -> None:
+    """Make torchdata's ``StatefulDataLoader`` (inside ``loader``, or ``loader``) create its next iterator when
+    iterated, as a ``DataLoader`` does, rather than reuse one a ``state_dict()`` call made in advance.
+
+    Accelerate's ``DataLoaderAdapter.__init__`` calls it at ``prepare``: the first epoch's iterator (and its
+    workers) are made there, their seed drawn from the torch RNG at ``prepare``, not when the epoch starts.
+    ``load_state_dict({})`` drops that iterator (a state loaded before is kept).
+    """
+    inner = getattr(loader, "base_dataloader", loader)
+    if getattr(inner, "_initial_iter_for_state_dict", False):
+        inner.load_state_dict({})
 
 
 def batches_to_skip(loader: Any, steps: int) -> int:
@@ -119,7 +142,9 @@ def rebuild(loader: Any, batch_sampler: Any, *, in_main_process: bool = False) -
     """A loader like ``loader`` that takes its batches of indices from ``batch_sampler``; None if unsupported.
 
     A prepared loader gives a prepared one (same device placement, RNG synchronization and shuffle
-    generator; it fetches one batch ahead like the original); a plain ``DataLoader`` a plain one.
+    generator; it fetches one batch ahead like the original); a plain ``DataLoader`` (or a
+    ``StatefulDataLoader``) a plain one. Under ``use_stateful_dataloader=True`` the prepared one it gives
+    holds a plain ``DataLoader``: its iterators draw from the RNG as the ``StatefulDataLoader``'s.
     ``in_main_process`` builds it with ``num_workers=0``. The samplers are shared, not copied.
     """
     base = base_loader(loader)

@@ -215,10 +215,10 @@ class EpochReader:
             self._plan[skip + len(prefetched)] = resume_rng
         self._batches: _IndexBatches | None = None
         if resume_rng is not None and internals.from_torchdata(loader):
-            log.warning("resumed epoch %d of a loader from torchdata (StatefulDataLoader, use_stateful_dataloader=True): "
-                        "its position is restored by skipping batches, but its order and random state may differ from "
-                        "an uninterrupted run's (not exact). HINT: a plain torch DataLoader (use_stateful_dataloader="
-                        "False) is resumed exactly", epoch)
+            log.warning("resumed epoch %d of a loader from torchdata with its own samplers (a StatefulDataLoader given "
+                        "to prepare), an iterable dataset or dispatch_batches: its position is restored, but its order "
+                        "and random state may differ from an uninterrupted run's (not exact). HINT: a torch DataLoader "
+                        "given to prepare (use_stateful_dataloader=True or not) is resumed exactly", epoch)
 
     def prefetched(self, batches_done: int) -> list[dict[str, Any]]:
         """The RNG states right before each batch fetched from index ``batches_done`` on (as plain data).
@@ -250,6 +250,7 @@ class EpochReader:
 
     def _open(self) -> tuple[int, Iterable[Any]]:
         """``(index of its first batch, the iterable)`` for this epoch."""
+        internals.drop_iterator_made_for_state_dict(self.loader)  # its workers' seed drawn as the epoch starts
         length, workers = batches_per_epoch(self.loader), getattr(self.loader, "num_workers", 0)
         if length is not None and 0 < length <= self.skip:
             self._run_sampler_through()

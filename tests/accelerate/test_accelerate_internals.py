@@ -86,6 +86,27 @@ def test_a_rebuilt_plain_loader_and_a_main_process_one(acc):
     assert [b.tolist() for b in internals.rebuild(internals.base_loader(prepared), [[5]], in_main_process=True)] == [[5]]
 
 
+def test_a_stateful_loaders_iterator_made_at_prepare_is_dropped(acc):
+    """``use_stateful_dataloader=True``: ``prepare`` made the first iterator (``state_dict()``), its workers' seed drawn
+    then; dropped, the loader draws from the RNG at its first batch as the plain one ``rebuild`` gives does."""
+    pytest.importorskip("torchdata")
+    from accelerate.utils import DataLoaderConfiguration
+
+    AcceleratorState._reset_state(True)
+    stateful = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
+    loader = stateful.prepare(torch.utils.data.DataLoader(range(8), batch_size=2, shuffle=True))
+    base = internals.base_loader(loader)
+    assert base is loader.base_dataloader and base._initial_iter_for_state_dict, HINT
+    internals.drop_iterator_made_for_state_dict(loader)
+    assert not base._initial_iter_for_state_dict, HINT
+    rng = torch.get_rng_state()
+    batches = [b.tolist() for b in loader]
+    torch.set_rng_state(rng)
+    rebuilt = internals.rebuild(loader, base.batch_sampler)
+    assert type(rebuilt.base_dataloader) is torch.utils.data.DataLoader, HINT
+    assert [b.tolist() for b in rebuilt] == batches, HINT
+
+
 def test_loaders_it_cannot_rebuild_are_named_none(acc):
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):

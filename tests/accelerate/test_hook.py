@@ -455,16 +455,73 @@ def test_a_restart_with_another_batch_size_warns_that_the_position_is_off(make_a
     assert "had 8 batches per process, this run's loader has 16" in caplog.text, caplog.text
 
 
-def test_a_resumed_stateful_dataloader_warns_that_it_is_not_exact(make_accelerator, clean_env, tmp_path, caplog):
-    """``use_stateful_dataloader=True``: Accelerate's ``skip_first_batches`` rebuilds it as a plain DataLoader (and
-    the prepared loader made its first iterator at ``prepare``): the resumed epoch trained other samples, silently."""
-    pytest.importorskip("torchdata")
+class Augmented(torch.utils.data.Dataset):
+    """16 samples, each its index and a random number drawn in ``__getitem__`` (a random augmentation)."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> tuple[int, torch.Tensor]:
+        return index, torch.rand(())
+
+
+def _stateful_run(make_accelerator, url: str, workers: int, *, stop_after: int | None = None,
+                  seed: int = 0) -> list[tuple]:
+    """Two epochs of 8 batches of :class:`Augmented` through the hook, shuffled by a loader prepared with
+    ``use_stateful_dataloader=True``; returns each batch trained on: its sample indices, their augmentation and a
+    random number the loop body draws. ``stop_after``: leave after that many batches (the hook saves there)."""
     from accelerate.utils import DataLoaderConfiguration
 
+    torch.manual_seed(seed)
+    acc = make_accelerator(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
+    model = torch.nn.Linear(1, 1)
+    data = torch.utils.data.DataLoader(Augmented(), batch_size=2, shuffle=True, num_workers=workers)
+    model, opt, loader = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), data)
+
+    def loop(ft: FaultTolerantCheckpoint) -> list[tuple]:
+        seen = []
+        for _ in ft.epochs(2):
+            for indices, augmented in ft.batches(loader):
+                seen.append((indices.tolist(), augmented.tolist(), torch.rand(()).item()))
+                acc.backward(model(augmented[:, None]).sum())
+                opt.step()
+                opt.zero_grad()
+                if len(seen) == stop_after:
+                    return seen
+        return seen
+
+    with FaultTolerantCheckpoint(acc, url, interval=1000) as ft:
+        return loop(ft)
+
+
+@pytest.mark.parametrize("stop_after", [1, 4, 7, 8, 11])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])  # 2: ~11 s (the workers' shutdown)
+def test_a_resumed_stateful_dataloader_is_exact(make_accelerator, clean_env, tmp_path, caplog, workers, stop_after):
+    """``use_stateful_dataloader=True``: Accelerate's ``skip_first_batches`` rebuilt the resumed epoch as a plain
+    DataLoader, and the prepared loader had made its first iterator at ``prepare`` (``state_dict()``), drawing its
+    workers' seed there: the resumed run trained other samples with other augmentations (a warning said so). Stops
+    after batches 1, 4, 7 of epoch 0's 8, at its end, and in epoch 1; the resumed process starts from another seed."""
+    pytest.importorskip("torchdata")
+    reference = _stateful_run(make_accelerator, str(tmp_path / "ref"), workers)
+    url = str(tmp_path / "ckpt")
+    assert _stateful_run(make_accelerator, url, workers, stop_after=stop_after) == reference[:stop_after]
+    with caplog.at_level(logging.WARNING, logger="accelerate_ft"):
+        resumed = _stateful_run(make_accelerator, url, workers, seed=1)
+    assert resumed == reference[stop_after:]
+    assert not [r.message for r in caplog.records if r.name.startswith("accelerate_ft")]
+
+
+def test_a_stateful_dataloader_given_to_prepare_warns_at_a_resume_that_it_is_not_exact(make_accelerator, clean_env,
+                                                                                       tmp_path, caplog):
+    """Its own samplers: torchdata's ``RandomSampler`` draws a permutation whenever an iterator of it is made (twice an
+    epoch with workers, once in a resume's run through a finished epoch), so the next epoch may be shuffled otherwise."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
     url = str(tmp_path / "ckpt")
     for stop_after in (4, 1):
-        acc = make_accelerator(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
-        model, opt, loader = prepared(acc, batches=8)
+        acc = make_accelerator()
+        model = torch.nn.Linear(4, 1)
+        model, opt, loader = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                         stateful.StatefulDataLoader(torch.randn(32, 4), batch_size=4, shuffle=True))
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="accelerate_ft"), FaultTolerantCheckpoint(acc, url) as ft:
             train(ft, acc, model, opt, loader, stop_after=stop_after)
