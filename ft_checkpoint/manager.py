@@ -403,7 +403,9 @@ class CheckpointManager:
 
     def has_saved(self, step: int) -> bool:
         """Whether ``step`` (or a later one) was saved to the durable tier by this run or resumed from there: a final
-        save would repeat it. (A fast-tier save does not count: a clean end deletes the fast tier.)
+        save would repeat it. (A fast-tier save does not count: a clean end deletes the fast tier.) A save still in
+        flight is waited for (call it on every rank): one that fails, or is abandoned (a torn lazy snapshot), does
+        not count.
 
         Example:
             >>> with CheckpointManager("memory://doc/has-saved", interval=2, announce=False) as m:
@@ -411,9 +413,12 @@ class CheckpointManager:
             ...     m.has_saved(2), m.has_saved(3)
             (True, False)
         """
-        last = self._last_durable.step if self._last_durable is not None and not self._last_durable.abandoned else None
+        last = self._last_durable
+        if last is not None and not last.committed and self.engine.in_flight:
+            self.wait()  # its outcome decides: a lazy snapshot found torn at its settling is abandoned, never saved
+        saved = last.step if last is not None and last.committed else None
         resumed = self.resumed_from if not (self.resumed_source or "").startswith("fast tier") else None
-        return any(s is not None and s >= step for s in (last, resumed))
+        return any(s is not None and s >= step for s in (saved, resumed))
 
     def save_final(self) -> SaveStats | None:
         """Save the last step :meth:`maybe_save` was given, with its state as it is now, unless it is saved

@@ -13,10 +13,11 @@ at the save and again when the copy is settled (at the next optimizer step, save
 a changed one makes the snapshot torn: the save is abandoned with a warning (the previous committed step
 stays the resume point), never committed. Edits through ``.data`` or a NumPy view bypass version counters
 (diffusers' ``EMAModel.copy_to`` and ``restore`` swap the EMA weights in that way for a validation): for a CPU
-tensor its first and last 8 bytes are also read at the save and compared with its copy, so that a copy made while
-such an edit was in place makes the snapshot torn too. A CUDA tensor has only its version counter (reading
-device memory at the save would wait for the GPU): make such edits under ``torch.no_grad()``, or turn
-``lazy_snapshot`` off.
+tensor its first and last 8 bytes (of a non-contiguous one, a channels_last convolution's weight, its first and last
+elements) are also read at the save and compared with its copy, so that a copy made while such an edit was in place
+makes the snapshot torn too; a collective (``all_reduce``, ``broadcast``) into a parameter moves no version
+counter either. A CUDA tensor has only its version counter (reading device memory at the save would wait for the
+GPU): make such edits under ``torch.no_grad()``, or turn ``lazy_snapshot`` off.
 
 Example:
     >>> import torch
@@ -204,20 +205,33 @@ class LazyCopy:
         return self._changed
 
 
-def _ends(t: torch.Tensor) -> tuple[int, int] | None:
-    """The first and last 8 bytes of a contiguous CPU tensor's data, read in place (0.5-1 us; a copy of the
-    tensor would cost a pass over it); None for any other tensor."""
-    n = t.nbytes
-    if not t.is_cpu or n < 16 or not t.is_contiguous():
+def _ends(t: torch.Tensor) -> tuple[Any, Any] | None:
+    """A sample of a CPU tensor's data read in place (0.5-1 us; a copy of the tensor would cost a pass over it): the
+    first and last 8 bytes of a contiguous one; of any other strided one (channels_last, a transposed view) its first
+    and last elements in index order, which a contiguous copy of it has at its own ends. None for other tensors."""
+    if not t.is_cpu or t.layout != torch.strided or t.numel() == 0:
         return None
-    p = t.data_ptr()
-    return _u64(p).value, _u64(p + n - 8).value
+    p, n = t.data_ptr(), t.nbytes
+    if t.is_contiguous():
+        return (_u64(p).value, _u64(p + n - 8).value) if n >= 16 else None
+    return _elements(t)
 
 
-def _differ(ends: tuple[int, int] | None, copy: torch.Tensor) -> bool:
-    """Whether ``copy``'s ends differ from ``ends``, the source's at the save (never when either is unread)."""
-    now = _ends(copy) if ends is not None else None
-    return now is not None and now != ends
+def _elements(t: torch.Tensor) -> tuple[bytes, bytes]:
+    """The bytes of ``t``'s first and last elements in index order, wherever its strides put them."""
+    size, p = t.element_size(), t.data_ptr()
+    last = p + size * sum((n - 1) * stride for n, stride in zip(t.shape, t.stride()))
+    return ctypes.string_at(p, size), ctypes.string_at(last, size)
+
+
+def _differ(ends: tuple[Any, Any] | None, copy: torch.Tensor) -> bool:
+    """Whether ``copy``'s sample differs from ``ends``, the source's at the save (taken the same way: a contiguous
+    copy of a non-contiguous source by its elements); never when either is unread."""
+    if ends is None or not copy.is_cpu or copy.numel() == 0:
+        return False
+    if isinstance(ends[0], bytes):
+        return _elements(copy) != ends
+    return copy.is_contiguous() and _ends(copy) != ends
 
 
 def _record_streams(tensors: Any) -> dict[torch.device, Any]:

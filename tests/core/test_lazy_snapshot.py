@@ -175,6 +175,71 @@ def test_weights_swapped_through_data_while_copied_abandon_the_save(tmp_path):
     assert_same(again, uninterrupted(8, ema=True))
 
 
+@pytest.mark.parametrize("swap", [False, True], ids=["untouched", "swapped"])
+def test_a_channels_last_model_is_checked_like_a_contiguous_one(tmp_path, swap):
+    """A convolution net in ``channels_last`` (its weights and Adam's moments are not contiguous): the ends were read
+    of contiguous tensors only, so EMA weights swapped in through ``.data`` while copied were committed as the
+    model's, silently. Now their first and last elements are compared with the (contiguous) staged copy: the swap
+    makes the step torn, and an untouched model commits, restored bit for bit."""
+    def conv_net(seed: int) -> dict[str, Any]:
+        torch.manual_seed(seed)
+        net = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3), torch.nn.ReLU(), torch.nn.Conv2d(32, 32, 3))
+        net = net.to(memory_format=torch.channels_last)
+        return {"model": net, "optim": torch.optim.Adam(net.parameters(), lr=1e-3)}
+
+    def train(state: dict[str, Any]) -> None:
+        state["model"](torch.ones(2, 3, 8, 8).to(memory_format=torch.channels_last)).square().mean().backward()
+        state["optim"].step()
+        state["optim"].zero_grad()
+
+    state, held = conv_net(0), HeldCopy()
+    with CheckpointManager(str(tmp_path), interval=1000, announce=False, final_save=False) as ckpt:
+        train(state)  # the optimizer's first step, with the manager's step hook in place: its tensors are deferred
+        live = list(state["model"].parameters())
+        at_save = [p.detach().clone() for p in live]
+        assert not live[2].is_contiguous() and not state["optim"].state[live[2]]["exp_avg"].is_contiguous()
+        ckpt.engine.phase_hook = held
+        held.hold()
+        saved = ckpt.save(1, state)
+        if swap:  # copy_to of an EMA, the copy made while it is in place, then restore
+            for p in live:
+                p.data.copy_(p.data + 1)
+        held.release()
+        ckpt.engine._lazy.wait_copied()
+        for p, s in zip(live, at_save):
+            p.data.copy_(s)
+        train(state)
+    assert saved.deferred > 0
+    if swap:
+        assert saved.abandoned is not None and "model/2.weight" in saved.abandoned and not saved.committed
+        return
+    assert saved.committed and saved.abandoned is None
+    again = conv_net(1)
+    with CheckpointManager(str(tmp_path), interval=1000, announce=False, final_save=False) as ckpt:
+        assert ckpt.resume(again) == 1
+    assert all(torch.equal(p, s) for p, s in zip(again["model"].parameters(), at_save))
+
+
+def test_a_last_save_found_torn_at_close_is_saved_again_by_the_final_save(tmp_path):
+    """The loop's last save is lazy, and a weight is written in place after it (restored to the same values here,
+    as a load of the best weights would): ``close``'s final save asked whether the step was saved before the copy
+    was settled, skipped it, and the settling then abandoned the step: nothing of the run was committed. The
+    final save now waits for that verdict and saves the step again, at once."""
+    state = make(0, ema=False)
+    with CheckpointManager(str(tmp_path), interval=2, announce=False) as ckpt:
+        for step in (1, 2):
+            iteration(state, step)
+            ckpt.maybe_save(step, state)
+        lazy = ckpt.last_save
+        state["model"].load_state_dict({k: v.clone() for k, v in state["model"].state_dict().items()})
+    assert lazy.deferred > 0 and lazy.abandoned is not None and not lazy.committed
+    assert layout.committed_steps(Storage(str(tmp_path))) == [2]
+    again = make(1, ema=False)
+    with CheckpointManager(str(tmp_path), interval=1000, announce=False, final_save=False) as ckpt:
+        assert ckpt.resume(again) == 2
+    assert_same(again, state)
+
+
 def test_close_right_after_a_save_commits_it(tmp_path):
     """No optimizer step after the save: ``close`` settles the copy (no deadlock), and the step commits."""
     state = make(0, ema=False)
