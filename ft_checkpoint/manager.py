@@ -439,9 +439,13 @@ class CheckpointManager:
     def _tiers_due(self, step: int, participants: Mapping[str, Any]) -> tuple[bool, bool]:
         """``(durable, fast)``: the tiers a save of ``step`` writes: those :meth:`agree_to_save` agreed on for it,
         else (a save of the caller's own) both. A state with files of its own that cannot give each rank's alone
-        (DeepSpeed's pipeline and expert parallelism, ZeRO's elastic checkpoints) is durable only."""
+        (DeepSpeed's pipeline and expert parallelism, ZeRO's elastic checkpoints) is durable only, and so is a step
+        the fast tier holds or is saving already (a final save after a fast-tier save or resume of that step): its
+        write would delete that copy of the step first, and a crash there would leave the fast tier without it."""
         due, self._due = self._due, None
         durable, fast = (due[1], due[2]) if due is not None and due[0] == step else (True, self.fast is not None)
+        if fast and self._fast_tier_has(step):
+            return True, False
         if fast and not stands_alone(participants):  # a rank's part would need files other ranks hold
             if self.rank == 0:
                 log.warning("the fast tier does not take state whose files of its own do not load a rank on their "
@@ -450,6 +454,13 @@ class CheckpointManager:
             self._fast_refused = True
             return True, False
         return durable or not fast, fast
+
+    def _fast_tier_has(self, step: int) -> bool:
+        """Whether the fast tier resumed ``step`` or its last save was of ``step`` (committed, in flight or failed):
+        the same answer on every rank, so that every rank writes the same tiers."""
+        last = self.fast.last if self.fast is not None else None
+        resumed = self.resumed_from if (self.resumed_source or "").startswith("fast tier") else None
+        return step in (last.step if last is not None else None, resumed)
 
     def check_continues_from(self, step: int, *, why: str | None = None) -> None:
         """Raise StateMismatchError now if a run at ``step`` (resumed from elsewhere, e.g. ``fit(ckpt_path=...)``)
@@ -751,10 +762,15 @@ class CheckpointManager:
         except Exception as e:
             failed = e
         newest = self._events.last_committed if self._events.last_committed is not None else self.resumed_from
-        resumes = f"a restart resumes from step {newest}" if newest is not None else "a restart starts fresh"
+        resumes = f"a restart resumes from step {newest}, the newest committed" if newest is not None \
+            else "a restart starts fresh"
+        fast = self.fast.committed if self.fast is not None else None
+        if fast is not None and (newest is None or fast > newest):
+            fallback = f"from step {newest}" if newest is not None else "fresh"
+            resumes = f"a restart resumes from step {fast}, the fast tier's newest ({fallback} where its copies are lost)"
         if peer_lost(error):
             lost = "; the save in flight did not commit" if failed is not None else ""
-            log.warning("rank %d stops: a peer rank is gone (%s)%s; %s, the newest committed", self.rank,
+            log.warning("rank %d stops: a peer rank is gone (%s)%s; %s", self.rank,
                         short_error(error), lost, resumes)
         elif failed is not None:
             log.error("while closing after %s, the save in flight failed too (%s); %s", type(error).__name__,

@@ -117,11 +117,13 @@ class FastTier:
         self.node = config.node_id or default_node_id(self.dirpath)
         self.folder = folder
         """This run's folder on this node, claimed (see ``FastFolder.claim``)."""
-        pids = groups.all_gather((self.node, os.getpid()))
+        agent = os.getppid() if "TORCHELASTIC_RESTART_COUNT" in os.environ else None  # torchrun's, which restarts us
+        pids = groups.all_gather((self.node, os.getpid(), agent))
         self.attempt: str = groups.broadcast(uuid.uuid4().hex[:12])
-        """This start of the job (rank 0's, on every rank): with the step, it names each save, which every part
-        and mark of the save carries."""
-        self.ring = Ring(tuple(node for node, _ in pids))
+        """This start of the job (rank 0's, on every rank): with a count of its saves, it names each save, which every
+        part and mark of the save carries (a part of another save of the same step is never taken for this one's)."""
+        self._saves = 0
+        self.ring = Ring(tuple(node for node, _, _ in pids))
         self.replicas = config.fast_replicas if len(self.ring.nodes) > 1 else 0
         group = dist.new_group(backend="gloo") if groups.distributed else None  # the fast tier's own
         self.tier = dataclasses.replace(groups, writer=group, control=group)
@@ -144,7 +146,26 @@ class FastTier:
         if self.local_index == 0:
             for path in clean_other_runs(self.dirpath, self.folder.key):
                 log.info("removed %s: the fast-tier folder of another run, whose processes are gone", path)
-            self.folder.write_owner(durable_url, [pid for node, pid in pids if node == self.node])
+            here = {pid for node, *two in pids if node == self.node for pid in two if pid is not None}
+            self.folder.write_owner(durable_url, sorted(here), start=self.attempt)
+        self._check_nodes_apart()
+
+    def _check_nodes_apart(self) -> None:
+        """ConfigError on every rank if ranks that name the same node do not share its folder (two machines given one
+        ``node_id``, or one host name and path): the ring would put no peer copy on the other machine, and a resume
+        would read one machine's folder only. Each node's first rank wrote this start's name into its owner file."""
+        if not self.groups.distributed:
+            return
+        self.groups.barrier()
+        apart = self.groups.all_gather((self.folder.owner() or {}).get("start") != self.attempt)
+        if not any(apart):
+            return
+        self.folder.release()
+        self.tier.destroy()
+        raise ConfigError(f"ranks {[r for r, a in enumerate(apart) if a]} name their node {self.node!r} like other "
+                          "ranks, whose fast-tier folder they do not see: another machine has the same node_id. "
+                          "HINT: give each node a node_id of its own (FT_CHECKPOINT_NODE_ID), or leave it unset "
+                          "where host names differ (the default: host name and fast_dirpath)")
 
     @property
     def rank(self) -> int:
@@ -209,13 +230,14 @@ class FastTier:
     def write(self, save: FastSave, staged: Mapping[str, Any], fields: dict[str, Any], writers: int) -> bool:
         """Write, copy and commit ``save.step`` from ``staged`` (the writer thread, every rank), then delete the
         older steps; whether it committed."""
-        step = save.step
+        step, self._saves = save.step, self._saves + 1
+        name = f"{self.attempt}.{self._saves}"
         measured = self.tier.all_gather(self._measure(staged), writer=True)  # by every rank before any rank writes
-        ok = self._agree(step, "written", lambda: self._write_own(step, staged, fields, writers, measured))
+        ok = self._agree(step, "written", lambda: self._write_own(step, name, staged, fields, writers, measured))
         if ok and self.replicas:
             ok = self._agree(step, "copied to its peer", lambda: self._copy(step))
         if ok:
-            ok = self._agree(step, "marked committed", lambda: self._mark(step))
+            ok = self._agree(step, "marked committed", lambda: self._mark(step, name))
         if not ok:
             self._discard(step)
             return False
@@ -252,7 +274,7 @@ class FastTier:
         if problem:
             raise ConfigError(problem)
 
-    def _write_own(self, step: int, staged: Mapping[str, Any], fields: dict[str, Any], writers: int,
+    def _write_own(self, step: int, name: str, staged: Mapping[str, Any], fields: dict[str, Any], writers: int,
                    measured: list[tuple[int, int] | None]) -> None:
         self._check_room(measured)
         keep = {s for s in (self.committed, step) if s is not None}
@@ -264,7 +286,7 @@ class FastTier:
                 self.folder.remove(rank)
         tensors, sharding = local_part(staged["tensors"])
         manifest = write_rank_step(self.folder.storage(self.rank), step, tensors, staged["rank_file"], rank=self.rank,
-                                   world_size=self.ring.world_size, save=self.attempt, node=self.node,
+                                   world_size=self.ring.world_size, save=name, node=self.node,
                                    sharding=sharding, writers=writers, fields=fields, signer=self.signer,
                                    files=staged.get("files"))
         if self.last is not None and self.last.step == step:
@@ -276,9 +298,9 @@ class FastTier:
         exchange(self.tier.writer, [(peer, self.folder.storage(self.rank), step)],
                  [(src, self.folder.storage(src), step) for src in self.ring.sources(self.rank)])
 
-    def _mark(self, step: int) -> None:
+    def _mark(self, step: int, name: str) -> None:
         for rank in self.held:
-            self.folder.commit(rank, step=step, world_size=self.ring.world_size, save=self.attempt)
+            self.folder.commit(rank, step=step, world_size=self.ring.world_size, save=name)
         self.committed = step
 
     def _discard(self, step: int) -> None:

@@ -5,7 +5,8 @@
     <fast_dirpath>/
       run-3f9c2a1b7d004e11/          one run: its key hashes the durable dirpath, the launcher's run id and
                                      the oldest attempt of its journal (see ``run_key``)
-        owner.json                   the run's durable dirpath, host and the pids of its ranks on this node
+        owner.json                   the run's durable dirpath, host, the pids of its ranks on this node (and of
+                                     torchrun's agent, which restarts them), and the name of this start
         rank_00002/                  rank 2's files: a single-process checkpoint directory (see ``layout``)
           committed.json             the newest step committed for the whole job (written once every rank of
                                      the job wrote its files and its peer copy, and all agreed), and which
@@ -16,10 +17,12 @@
 Each rank's folder holds what a single-process checkpoint of that rank's local state holds, so the durable
 tier's code writes, checks, loads and deletes it, and ``ft-checkpoint inspect`` shows it. A node's own ranks
 and the peer copies it keeps look the same. Retention keeps the committed step and the one being written.
-Another run's folder is never read; it is removed once its owner is gone: same host, none of its pids alive, and
-no process holds the shared lock on its ``in_use.lock`` that each of the run's processes on the node takes at its
-start (:meth:`FastFolder.claim`) and the kernel drops at its end, however it ends. Pids alone are not enough: a job
-in another PID namespace (a container sharing ``/dev/shm`` and the host name) has pids that name no process here.
+Another run's folder is never read; it is removed once its owner is gone: same host, none of its pids alive (under
+torchrun its agent's too: a job whose ranks died keeps its folder while the agent restarts them or waits for its
+nodes to join again), and no process holds the shared lock on its ``in_use.lock`` that each of the run's processes
+on the node takes at its start (:meth:`FastFolder.claim`) and the kernel drops at its end, however it ends. Pids
+alone are not enough: a job in another PID namespace (a container sharing ``/dev/shm`` and the host name) has pids
+that name no process here.
 
 ``fast_dirpath`` is often shared by the users of a node (``/dev/shm``), and a run's key can be computed by any
 of them. A run's folder is used only if it is this user's own (:meth:`FastFolder.claim`): else a link in it, or
@@ -260,10 +263,12 @@ class FastFolder:
         storage.delete_file(COMMITTED)
         storage.delete_empty_dir("")
 
-    def write_owner(self, durable_url: str, pids: list[int]) -> None:
-        """Record who owns this folder: the run's durable dirpath, this host, its ranks' pids here."""
+    def write_owner(self, durable_url: str, pids: list[int], *, start: str = "") -> None:
+        """Record who owns this folder: the run's durable dirpath, this host, its ranks' pids here, and the name of
+        this start of the run (by which its other ranks on the node check that they see this folder)."""
         os.makedirs(self.root, exist_ok=True)
-        body = {"durable": durable_url, "host": socket.gethostname(), "pids": pids, "time": time.time()}
+        body = {"durable": durable_url, "host": socket.gethostname(), "pids": pids, "time": time.time(),
+                "start": start}
         Storage(self.root, retries=1, fsync=False).write_bytes(OWNER, json.dumps(body).encode())
 
     def owner(self) -> dict[str, Any] | None:

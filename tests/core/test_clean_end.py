@@ -81,15 +81,20 @@ def test_maybe_save_takes_per_rank_as_save_and_resume_do(tmp_path):
     assert torch.equal(mine["batch"], batch)
 
 
-def test_an_exception_that_says_a_peer_is_gone_ends_in_one_line(tmp_path, caplog):
+@pytest.mark.parametrize(("fast", "resumes"), [
+    (False, "a restart resumes from step 2, the newest committed"),
+    (True, "a restart resumes from step 3, the fast tier's newest (from step 2 where its copies are lost)")])
+def test_an_exception_that_says_a_peer_is_gone_ends_in_one_line(tmp_path, caplog, fast, resumes):
     """The training's error is what a rank sees when another rank died inside a gloo collective. The real
-    case, with a rank SIGKILLed under ``accelerate launch``, is tests/accelerate/test_launch.py."""
+    case, with a rank SIGKILLed under ``accelerate launch``, is tests/accelerate/test_launch.py. With a fast tier
+    (every step), the line named the durable tier's step 2 while a restart resumes the fast tier's step 3."""
     url = str(tmp_path / "ckpt")
+    tier = {"fast_dirpath": str(tmp_path / "shm"), "fast_interval": 1} if fast else {}
     gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:53893: "
                         "Connection reset by peer. This is typically caused by a remote worker hanging")
     caplog.set_level(logging.INFO, logger="ft_checkpoint")
     with pytest.raises(RuntimeError, match="Connection reset by peer"):
-        with CheckpointManager(url, interval=2, announce=False) as ckpt:
+        with CheckpointManager(url, interval=2, announce=False, **tier) as ckpt:
             for step in range(1, 4):
                 ckpt.maybe_save(step, {"w": torch.full((3,), float(step))})
             ckpt.wait()
@@ -97,5 +102,5 @@ def test_an_exception_that_says_a_peer_is_gone_ends_in_one_line(tmp_path, caplog
     ours = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert [r.getMessage() for r in ours] == [
         "rank 0 stops: a peer rank is gone (RuntimeError: Read error [127.0.0.1]:53893: Connection reset by peer); "
-        "a restart resumes from step 2, the newest committed"]
+        f"{resumes}"]
     assert all(r.exc_info is None for r in caplog.records)

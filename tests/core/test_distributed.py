@@ -66,3 +66,12 @@ def test_the_managers_gloo_groups_are_destroyed_when_it_closes(tmp_path):
     process (a job that opens managers in turn, a sweep or a notebook, piled them up)."""
     out = torchrun(2, "groups", str(tmp_path / "ckpt"), str(tmp_path))
     assert "rank 0: our groups destroyed" in out and "rank 1: our groups destroyed" in out
+
+
+def test_two_machines_given_one_node_id_are_refused_at_the_start(tmp_path):
+    """Two ranks with a fast-tier folder each (two machines) but one ``node_id`` were taken for one node, silently:
+    no peer copy, and a resume saw one folder only (a plain crash fell back to the durable tier). Refused now."""
+    out = torchrun(2, "same_node_id", str(tmp_path / "ckpt"), str(tmp_path))
+    for rank in (0, 1):
+        assert f"rank {rank}: refused: ranks [1] name their node 'node-1' like other ranks" in out, out
+    assert "HINT: give each node a node_id of its own" in out

@@ -239,6 +239,25 @@ def test_another_runs_files_are_never_used_and_are_removed_once_its_processes_ar
     ckpt.close()
 
 
+def test_a_run_whose_ranks_died_keeps_its_folder_while_torchruns_agent_lives(tmp_path, monkeypatch):
+    """Under torchrun the agent outlives its ranks: it restarts them, or waits for a lost node to join again (minutes).
+    Another run starting on the node meanwhile took the ranks' dead pids for a run that was gone, and deleted the
+    fast tier the restart was to resume from. Each rank records the agent's pid (its parent) beside its own."""
+    url, fast = str(tmp_path / "ckpt"), str(tmp_path / "fast")
+    monkeypatch.setenv("FT_CHECKPOINT_RUN_ID", "first-job")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")  # what torchrun sets in its ranks
+    run(url, fast, 3, interval=100)
+    first = FastFolder(fast, own_key(url))
+    assert os.getppid() in first.owner()["pids"]
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    first.write_owner(os.path.abspath(url), [int(gone.stdout), os.getpid()])  # a dead rank, a live agent
+    monkeypatch.setenv("FT_CHECKPOINT_RUN_ID", "second-job")
+    _, _, ckpt = resumes(url, fast)
+    ckpt.close()
+    assert first.committed(0) is not None, "the first job's fast tier is there for its restart"
+
+
 HOLDER = """
 import sys, time
 from ft_checkpoint import CheckpointManager
@@ -756,6 +775,31 @@ def test_a_clean_end_saves_its_last_step_to_the_durable_tier_even_when_the_fast_
     with CheckpointManager(url, interval=100, fast_dirpath=fast, fast_interval=1) as ckpt:
         assert ckpt.resume(resumed) == 3 and not ckpt.resumed_source.startswith("fast tier")
     assert_same(flat(resumed), flat(state))
+
+
+def test_a_final_save_of_a_step_the_fast_tier_has_writes_the_durable_tier_only(tmp_path, monkeypatch):
+    """The clean end's final save of step 3, which the fast tier had committed, wrote the fast tier again first:
+    that write deletes the committed copy before writing the new one, so a crash there (SIGKILL) left the fast
+    tier without step 3 and, the durable tier not written yet, a restart started fresh. Each save of the fast tier
+    has a name of its own (a part of another save of the step is never taken for it), and the final save of a
+    step the fast tier has writes the durable tier only: the fast tier's copy stays until the clean end."""
+    from ft_checkpoint.tiers import fast_tier
+
+    url, fast = str(tmp_path / "ckpt"), str(tmp_path / "shm")
+    written: list[int] = []
+    real = fast_tier.write_rank_step
+    monkeypatch.setattr(fast_tier, "write_rank_step", lambda storage, step, *a, **k: written.append(step)
+                        or real(storage, step, *a, **k))
+    state, names = make(seed=0), []
+    with CheckpointManager(url, interval=100, fast_dirpath=fast, fast_interval=1) as ckpt:
+        for step in range(1, 4):
+            train_step(state)
+            ckpt.maybe_save(step, state)
+            ckpt.wait()
+            names.append(ckpt.fast.folder.committed(0).save)
+        assert ckpt.save(3, state, block=True).committed  # an explicit save of the same step: durable only, too
+    assert written == [1, 2, 3] and len(set(names)) == 3, (written, names)
+    assert layout.committed_steps(Storage(url)) == [3]
 
 
 KEY = "5f0c9e2a7d41b8363ac2e9f17b0d4c5a" * 2

@@ -12,7 +12,8 @@ differs by rank, as nanoGPT-style loops do, in ``per_rank=`` and checks each ran
 ``diverge`` puts such a batch in the shared state and checks that the save fails naming it; ``mixed_types``
 keeps nanoGPT's ``best_val_loss``, a 0-dim tensor on rank 0 (which evaluates) and a float on rank 1, and
 checks that ``save`` refuses it on the calling thread, on both ranks, and that nothing was written; ``groups``
-checks that closing the manager destroys its own gloo groups and leaves the default one.
+checks that closing the manager destroys its own gloo groups and leaves the default one; ``same_node_id`` checks
+that two ranks with fast-tier folders of their own but one ``node_id`` are refused at the start.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def main() -> None:
     mode, url, out = sys.argv[1:4]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if mode in ("per_rank", "diverge", "mixed_types", "groups"):
+    if mode in ("per_rank", "diverge", "mixed_types", "groups", "same_node_id"):
         globals()[mode](url, rank)
         dist.destroy_process_group()
         return
@@ -130,6 +131,19 @@ def groups(url: str, rank: int) -> None:
         raise AssertionError(f"rank {rank}: a checkpoint group outlived the manager's close")
     dist.barrier()  # the default group still works
     print(f"rank {rank}: our groups destroyed", flush=True)
+
+
+def same_node_id(url: str, rank: int) -> None:
+    """Two "machines" (a fast-tier folder each) given one ``node_id``: refused at the start on both ranks, naming it."""
+    from ft_checkpoint import ConfigError
+
+    fast = os.path.join(os.path.dirname(url), f"fast-{rank}")
+    try:
+        CheckpointManager(url, interval=1, fast_dirpath=fast, fast_interval=1, node_id="node-1")
+    except ConfigError as e:
+        print(f"rank {rank}: refused: {e}", flush=True)
+        return
+    raise AssertionError(f"rank {rank}: two folders under one node_id were taken for one node")
 
 
 if __name__ == "__main__":
