@@ -118,8 +118,17 @@ def optimizer_storages() -> set[int]:
         tensors = [p for g in opt.param_groups for p in g["params"]]
         tensors += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         # a DTensor (FSDP2) has no storage of its own to look at, and is never deferred
-        out.update(t.untyped_storage().data_ptr() for t in tensors if not _is_dtensor(t))
+        out.update(ptr for t in tensors if not _is_dtensor(t) and (ptr := _storage(t)) is not None)
     return out
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage; None for a tensor subclass that has none of its own (torchao's low-bit
+    optimizer states wrap theirs): never deferred, it is copied at the save."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
 
 
 def deferrable(tensors: Mapping[str, torch.Tensor], *, min_bytes: int = MIN_BYTES) -> set[str]:

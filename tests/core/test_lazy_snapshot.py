@@ -240,6 +240,53 @@ def test_a_last_save_found_torn_at_close_is_saved_again_by_the_final_save(tmp_pa
     assert_same(again, state)
 
 
+class Wrapped(torch.Tensor):
+    """A tensor subclass with no storage of its own, wrapping a plain tensor (as torchao's low-bit optimizer states
+    wrap theirs)."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> Wrapped:
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self.inner = inner
+
+    def __tensor_flatten__(self) -> tuple[list[str], None]:
+        return ["inner"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], ctx: Any, size: Any, stride: Any) -> Wrapped:
+        return Wrapped(inner["inner"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        unwrap = lambda x: x.inner if isinstance(x, Wrapped) else x  # noqa: E731
+        return func(*map(unwrap, args), **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+
+
+def test_an_optimizer_state_without_storage_of_its_own_is_copied_at_the_save(tmp_path):
+    """Every save raised "Attempted to access the data pointer on an invalid python storage" while looking up the
+    storages an optimizer owns, with lazy snapshots on (the default): such a state is copied at the save now, the
+    plain tensors are still deferred, and the step resumes with its values."""
+    def state(fill: float) -> dict[str, Any]:
+        model = torch.nn.Linear(64, 64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.ones(2, 64)).sum().backward()
+        opt.step()
+        opt.state[model.weight]["low_bit"] = Wrapped(torch.full((64, 64), fill))
+        return {"model": model, "optim": opt}
+
+    with CheckpointManager(str(tmp_path), interval=1000, announce=False, final_save=False) as ckpt:
+        saved = state(2.0)
+        stats = ckpt.save(1, saved, block=True)
+    assert stats.committed and stats.deferred > 0
+    again = state(0.0)
+    with CheckpointManager(str(tmp_path), interval=1000, announce=False, final_save=False) as ckpt:
+        assert ckpt.resume(again) == 1
+    assert torch.equal(again["model"].weight, saved["model"].weight)
+    assert torch.equal(again["optim"].state[again["model"].weight]["low_bit"].inner, torch.full((64, 64), 2.0))
+
+
 def test_close_right_after_a_save_commits_it(tmp_path):
     """No optimizer step after the save: ``close`` settles the copy (no deadlock), and the step commits."""
     state = make(0, ema=False)
