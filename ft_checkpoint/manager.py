@@ -169,7 +169,8 @@ class CheckpointManager:
         """The last save started (of either tier: ``last_save.durable`` says whether it writes the durable one)."""
         self._last_durable: SaveStats | None = None
         self._due: tuple[int, bool, bool] | None = None
-        """``(step, durable, fast)``: what :meth:`agree_to_save` decided last."""
+        """``(step, durable, fast)``: what :meth:`agree_to_save` decided last (until a save takes it)."""
+        self._agreed = False  # set by maybe_save for its own save: it writes the tiers agreed on for its step
         self._fast_refused = False
         self._held = (False, False)
         """``(durable, fast)``: saves that were due at steps a ``hold`` put off; they come at the next step without."""
@@ -182,7 +183,8 @@ class CheckpointManager:
         self.loaded: str | None = None
         """What the last resume loaded, in words: ``"3.6 MB verified and loaded in 0.1 s"``."""
         self._offered: tuple[int, Mapping[str, Any], dict[str, Any]] | None = None
-        """The last ``maybe_save``'s step, state and options: what a final save saves."""
+        """The last ``maybe_save``'s step, state and options (or a fast-tier resume's): what a final save saves, until
+        the training goes past that step."""
         self._newest_committed: int | None = self._listing.newest if self._listing is not None else self.latest()
         self._participants = Participants()
         self._last_save_time = time.monotonic()
@@ -238,6 +240,13 @@ class CheckpointManager:
         interval) and note the step reached in the journal (at most every ``progress_interval``)."""
         self._cost.step(writing=self.engine.in_flight)
         self.journal.progress(step)
+        self._forget_offered_before(step)
+
+    def _forget_offered_before(self, step: int) -> None:
+        """The training has gone past the step :meth:`maybe_save` was last given (or that a resume took from the fast
+        tier): its state has changed since, so a final save of it under that step would mix two steps."""
+        if self._offered is not None and self._offered[0] < step:
+            self._offered = None
 
     def should_save(self, step: int) -> bool:
         """This rank's answer to "save at ``step``?": the policy's, or a preemption notice on this rank.
@@ -287,6 +296,9 @@ class CheckpointManager:
         self._preempt_reason = self._preempt_reason or notice  # the first notice agreed on
         self.preempted = notice is not None
         durable = decision or (self.preempted and step != ctx.last_save_step)
+        earlier = self._due
+        if earlier is not None and earlier[0] < step:  # agreed at an earlier step, not saved there (Lightning: no resume
+            durable, fast = durable or earlier[1], fast or earlier[2]  # can start before a validation): still due
         self._due = (step, durable, fast)
         return durable or fast
 
@@ -317,7 +329,11 @@ class CheckpointManager:
         self._offered = (step, state, {"epoch": epoch, "metadata": metadata, "per_rank": per_rank})
         if not self.agree_to_save(step, hold=hold):
             return False
-        self.save(step, state, epoch=epoch, metadata=metadata, per_rank=per_rank)
+        self._agreed = True  # this save writes the tiers just agreed on (see _tiers_due)
+        try:
+            self.save(step, state, epoch=epoch, metadata=metadata, per_rank=per_rank)
+        finally:
+            self._agreed = False
         self._cost.saved()
         if self.preempted:
             self.stop_for_preemption()
@@ -361,6 +377,7 @@ class CheckpointManager:
         self._check_open()
         step = checked_step(step)
         require_state_dict(state)
+        self._forget_offered_before(step)
         self._check_step_is_new(step)
         if metadata is not None and not layout.nests_within(metadata, layout.MAX_METADATA_DEPTH):
             raise ConfigError(f"save(metadata=...) nests deeper than {layout.MAX_METADATA_DEPTH} levels, more than a "
@@ -437,13 +454,21 @@ class CheckpointManager:
         return self.save(step, state, **options)
 
     def _tiers_due(self, step: int, participants: Mapping[str, Any]) -> tuple[bool, bool]:
-        """``(durable, fast)``: the tiers a save of ``step`` writes: those :meth:`agree_to_save` agreed on for it,
-        else (a save of the caller's own) both. A state with files of its own that cannot give each rank's alone
+        """``(durable, fast)``: the tiers a save of ``step`` writes: for :meth:`maybe_save`'s, those :meth:`agree_to_save`
+        agreed on; for a save agreed on at an earlier step and made now (the first step a resume can start from after
+        it), those agreed on then; else (a save of the caller's own: a final save) the durable tier and, unless the
+        agreement for this step said no, the fast one. A state with files of its own that cannot give each rank's alone
         (DeepSpeed's pipeline and expert parallelism, ZeRO's elastic checkpoints) is durable only, and so is a step
         the fast tier holds or is saving already (a final save after a fast-tier save or resume of that step): its
         write would delete that copy of the step first, and a crash there would leave the fast tier without it."""
         due, self._due = self._due, None
-        durable, fast = (due[1], due[2]) if due is not None and due[0] == step else (True, self.fast is not None)
+        agreed, self._agreed = self._agreed, False
+        if due is not None and ((due[0] == step and agreed) or (due[0] < step and (due[1] or due[2]))):
+            durable, fast = due[1], due[2]  # maybe_save's; or agreed at an earlier step where no save could be made
+        elif due is not None and due[0] == step:  # the caller's own save at a step agreed on without one: a final save
+            durable, fast = True, due[2]
+        else:
+            durable, fast = True, self.fast is not None
         if fast and self._fast_tier_has(step):
             return True, False
         if fast and not stands_alone(participants):  # a rank's part would need files other ranks hold
@@ -568,9 +593,13 @@ class CheckpointManager:
         if restore_rng and self.resumed_rng is not None:
             set_rng_state(self.resumed_rng)
         seconds = time.perf_counter() - t0
-        self.resumed_from = self._events.last_committed = manifest.step
-        self.resumed_source = source
+        self.resumed_from, self.resumed_source = manifest.step, source
         tier = "fast" if source.startswith("fast tier") else "durable"
+        if tier == "durable":  # a fast-tier step is not in the directory: a save of it there is still to come
+            self._events.last_committed = manifest.step
+        else:  # a clean end with no later step saves it there (a crash after the last step's fast save, say)
+            metadata = {k: v for k, v in manifest.metadata.items() if k != "fast_tier"}
+            self._offered = (manifest.step, state, {"epoch": manifest.epoch, "metadata": metadata, "per_rank": per_rank})
         self.journal.record("resume", step=manifest.step, seconds=seconds, bytes=manifest.total_bytes, tier=tier,
                             source=source, failure_class=found_in_fast, why=why if tier == "durable" else None)
         if self.tiers is not None and self.rank == 0:

@@ -339,9 +339,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         """The clean end of ``fit``: save its last step unless it is saved already (``final_save``), then close."""
         if self._active:
             assert self.manager is not None
-            step = trainer.global_step
-            if self.manager.config.final_save and step > 0 and not self.manager.has_saved(step):
-                self._save(trainer, step, lambda: self._snapshots.take(trainer, self._epoch_start))
+            self._save_last(trainer, self._epoch_start)
             if not self.saves:
                 messages.announce_no_save(trainer, self.manager, seconds=time.monotonic() - self._started,
                                           resumed_from=self.resumed_from)
@@ -352,8 +350,18 @@ class FaultTolerantCheckpoint(Checkpoint):
             internals.release_resume(trainer)
             if self._active and self._resume is not None:  # resumed, yet the fit loop never started: finished
                 assert self.manager is not None
+                self._save_last(trainer, self._resume["epoch_start"])  # a step resumed from the fast tier only
                 messages.announce_finished(trainer, self.manager)
             self._close(trainer)
+
+    def _save_last(self, trainer: pl.Trainer, epoch_start: EpochStart | None) -> None:
+        """Save the step the fit ends at to the durable tier, unless it is there already (``final_save``): a fit that
+        trained, or one that resumed its finished run from the fast tier (a crash after the last step's fast save),
+        whose clean end would delete the only copy of its last step."""
+        assert self.manager is not None
+        step = trainer.global_step
+        if self.manager.config.final_save and step > 0 and not self.manager.has_saved(step):
+            self._save(trainer, step, lambda: self._snapshots.take(trainer, epoch_start))
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """Drain (and with ``save_on_exception`` save) off the training thread, for at most ``drain_timeout``.

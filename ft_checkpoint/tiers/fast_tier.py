@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ft_checkpoint.config import CheckpointConfig
-from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, StateMismatchError, StorageError
+from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, SignatureError, StateMismatchError, StorageError
 from ft_checkpoint.format import layout
 from ft_checkpoint.format.signing import Signer
 from ft_checkpoint.load.loading import OpenedStep, StepLoader
@@ -408,8 +408,8 @@ class FastTier:
         value, problem, corrupt = None, None, False
         try:
             value = fn()
-        except StateMismatchError as e:  # the state, not the part, may be what changed: the part is kept
-            problem = f"{type(e).__name__}: {e}"
+        except (StateMismatchError, SignatureError) as e:  # the state or the key, not the part, may be what changed:
+            problem = f"{type(e).__name__}: {e}"  # the part is kept (a restart with the right key takes it)
         except (CheckpointCorruptError, StorageError, OSError) as e:
             problem, corrupt = f"{type(e).__name__}: {e}", True
         problems = self.groups.all_gather(problem)

@@ -802,7 +802,41 @@ def test_a_final_save_of_a_step_the_fast_tier_has_writes_the_durable_tier_only(t
     assert layout.committed_steps(Storage(url)) == [3]
 
 
+def test_a_finished_runs_last_step_resumed_from_the_fast_tier_reaches_the_durable_tier(tmp_path):
+    """A crash after the last step's fast save: the restart resumes step 5 from the fast tier and has nothing left to
+    train. Its clean close saved nothing (no step given to maybe_save) and deleted the fast tier; a save of step 5
+    was refused ("step 5 is committed there already": the fast-tier resume counted as the directory's newest), so a
+    restart under torchrun failed the same way every time. The close now saves step 5 to the durable tier."""
+    url, fast = str(tmp_path / "ckpt"), str(tmp_path / "shm")
+    _, kept = run(url, fast, 5, interval=100, keep=(5,))
+    assert layout.committed_steps(Storage(url)) == []
+    step, _, ckpt = resumes(url, fast)
+    assert step == 5 and ckpt.resumed_source.startswith("fast tier")
+    ckpt.close()
+    assert layout.committed_steps(Storage(url)) == [5]
+    step, resumed, ckpt = resumes(url, fast)
+    assert step == 5 and not ckpt.resumed_source.startswith("fast tier")
+    assert_same(flat(resumed), kept[5])
+    ckpt.close(clean=False)
+
+
 KEY = "5f0c9e2a7d41b8363ac2e9f17b0d4c5a" * 2
+
+
+def test_a_restart_with_the_wrong_signing_key_keeps_the_fast_tiers_step(tmp_path):
+    """A restart given another key than the run's refuses every step, and says the durable steps are kept for the
+    right key; the fast tier's newest step, taken for a corrupt part, was deleted: the restart with the right key
+    resumed from the durable step 4, not the fast tier's 6."""
+    from ft_checkpoint.errors import SignatureError
+
+    url, fast = str(tmp_path / "ckpt"), str(tmp_path / "fast")
+    _, kept = run(url, fast, 6, keep=(6,), signing_key=KEY)
+    with pytest.raises(SignatureError):
+        resumes(url, fast, signing_key=KEY[::-1])
+    step, resumed, ckpt = resumes(url, fast, signing_key=KEY)
+    assert step == 6 and ckpt.resumed_source.startswith("fast tier")
+    assert_same(flat(resumed), kept[6])
+    ckpt.close(clean=False)
 
 
 def test_with_a_signing_key_a_fast_tier_part_forged_with_valid_checksums_is_not_loaded(tmp_path, caplog):

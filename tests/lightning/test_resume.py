@@ -222,6 +222,50 @@ def test_a_clean_end_of_fit_saves_its_last_step_and_a_restart_trains_no_step(tmp
     assert committed(tmp_path / "ckpt")[-1] == 36 and cb.saves == []
 
 
+def test_with_a_fast_tier_the_durable_tier_keeps_its_interval_and_gets_the_last_step(tmp_path, reference):
+    """A fast tier every step, the durable tier every 100: a fast save due at a batch a validation follows (no resume
+    starts there) was made at the next batch on both tiers, so the durable tier got a step after every validation
+    (7, 13, 19, ...); the fit's last batch is such a batch, so its final save went to the fast tier only, which the
+    clean end deletes, and the close saved step 35 with step 36's weights. Now the durable tier holds step 36 only,
+    and a restart of the finished run trains no step."""
+    kw = {"interval": 100, "fast_dirpath": str(tmp_path / "shm"), "fast_interval": 1}
+    fit([ft(tmp_path / "ckpt", **kw)])
+    assert committed(tmp_path / "ckpt") == [36]
+    cb = ft(tmp_path / "ckpt", **kw)
+    model, _, trainer, _ = fit([cb])
+    assert cb.resumed_from == 36 and model.seen == []
+    assert_same(final_state(model, trainer), reference[0])
+
+
+class DieAtTrainEnd(pl.Callback):
+    """Fails at the end of fit, before the next callback's ``on_train_end`` (the final save) runs; keeps the state the
+    fit ended with."""
+
+    state: dict[str, Any] | None = None
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.state = final_state(pl_module, trainer)
+        raise RuntimeError("the job died at its end")
+
+
+def test_a_finished_run_resumed_from_the_fast_tier_saves_its_last_step_to_the_durable_tier(tmp_path):
+    """A failure after the last step's fast save (``max_steps=10``), before the final save: the restart resumes step
+    10 from the fast tier and trains no step, so the end of the fit loop (which saves) never runs, and its clean end
+    deleted the fast tier: the finished run's last step was nowhere (a later restart trained steps again)."""
+    kw = {"interval": 100, "fast_dirpath": str(tmp_path / "shm"), "fast_interval": 1}
+    died = DieAtTrainEnd()
+    with pytest.raises(RuntimeError, match="died at its end"):
+        fit([died, ft(tmp_path / "ckpt", **kw)], max_steps=10)
+    assert committed(tmp_path / "ckpt") == [] and died.state is not None
+    cb = ft(tmp_path / "ckpt", **kw)
+    model, _, trainer, _ = fit([cb], max_steps=10)
+    assert cb.resumed_from == 10 and cb.manager.resumed_source.startswith("fast tier") and model.seen == []
+    assert committed(tmp_path / "ckpt") == [10]
+    resumed = final_state(model, trainer)
+    del resumed["epoch"], died.state["epoch"]  # 1 at a fit's end by max_steps; 0 as saved at step 10, no loop run
+    assert_same(resumed, died.state)
+
+
 def test_the_final_save_can_be_turned_off(tmp_path):
     fit([ft(tmp_path / "ckpt", final_save=False)])
     assert committed(tmp_path / "ckpt")[-1] == 32
