@@ -28,7 +28,8 @@ PREFIX = "FaultTolerantCheckpoint: "
 
 
 def announce_start(trainer: pl.Trainer, manager: CheckpointManager, *, resumed: bool, resumed_from: int | None) -> None:
-    """Where training starts (resumed, fresh, or at ``fit(ckpt_path=...)``'s step) and when the next save is due."""
+    """Where training starts (resumed, fresh, or at ``fit(ckpt_path=...)``'s step), when the next save is due, and the
+    fast tier (if any) and when it saves."""
     if resumed:
         where = (f"resuming from step {trainer.global_step} (epoch {trainer.current_epoch}, "
                  f"{internals.batches_done_in_epoch(trainer)} batches of it done; {manager.loaded})")
@@ -36,7 +37,8 @@ def announce_start(trainer: pl.Trainer, manager: CheckpointManager, *, resumed: 
         where = f"no checkpoint in {manager.storage.url} yet: starting fresh"
     else:
         where = f"training starts at step {trainer.global_step}"
-    rank_zero_info(f"{PREFIX}{where}; {next_save(manager, trainer.global_step, first=not resumed)}")
+    fast = f"; {manager.fast.describe()}: {interval.describe_policy(manager.fast.policy)}" if manager.fast else ""
+    rank_zero_info(f"{PREFIX}{where}; {next_save(manager, trainer.global_step, first=not resumed)}{fast}")
 
 
 def announce_finished(trainer: pl.Trainer, manager: CheckpointManager) -> None:

@@ -222,14 +222,17 @@ def test_a_clean_end_of_fit_saves_its_last_step_and_a_restart_trains_no_step(tmp
     assert committed(tmp_path / "ckpt")[-1] == 36 and cb.saves == []
 
 
-def test_with_a_fast_tier_the_durable_tier_keeps_its_interval_and_gets_the_last_step(tmp_path, reference):
+def test_with_a_fast_tier_the_durable_tier_keeps_its_interval_and_gets_the_last_step(tmp_path, reference, caplog):
     """A fast tier every step, the durable tier every 100: a fast save due at a batch a validation follows (no resume
     starts there) was made at the next batch on both tiers, so the durable tier got a step after every validation
     (7, 13, 19, ...); the fit's last batch is such a batch, so its final save went to the fast tier only, which the
     clean end deletes, and the close saved step 35 with step 36's weights. Now the durable tier holds step 36 only,
     and a restart of the finished run trains no step."""
     kw = {"interval": 100, "fast_dirpath": str(tmp_path / "shm"), "fast_interval": 1}
-    fit([ft(tmp_path / "ckpt", **kw)])
+    with caplog.at_level(logging.INFO):
+        fit([ft(tmp_path / "ckpt", **kw)])
+    assert re.search(r"starting fresh; first save at step 100 \(every 100 steps\); a fast tier in .*shm.*: a save "
+                     r"every step", caplog.text), "the start line names the fast tier (it did not)"
     assert committed(tmp_path / "ckpt") == [36]
     cb = ft(tmp_path / "ckpt", **kw)
     model, _, trainer, _ = fit([cb])
