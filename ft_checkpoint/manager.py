@@ -296,9 +296,6 @@ class CheckpointManager:
         self._preempt_reason = self._preempt_reason or notice  # the first notice agreed on
         self.preempted = notice is not None
         durable = decision or (self.preempted and step != ctx.last_save_step)
-        earlier = self._due
-        if earlier is not None and earlier[0] < step:  # agreed at an earlier step, not saved there (Lightning: no resume
-            durable, fast = durable or earlier[1], fast or earlier[2]  # can start before a validation): still due
         self._due = (step, durable, fast)
         return durable or fast
 

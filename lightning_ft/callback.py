@@ -330,9 +330,9 @@ class FaultTolerantCheckpoint(Checkpoint):
                 self.manager.stop_for_preemption()
         elif resumable:  # a preemption notice makes this the final save, then exits (Preempted)
             self._save(trainer, step, lambda: self._snapshots.take(trainer, self._epoch_start), if_due=True, hold=hold)
-        else:
+        else:  # a save agreed on here comes at the next batch a resume can start after, with the tiers agreed on here
             self.manager.note_step(step)
-            if self.manager.agree_to_save(step):
+            if not self._pending and self.manager.agree_to_save(step):
                 self._pending = True
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
