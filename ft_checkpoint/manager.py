@@ -435,9 +435,10 @@ class CheckpointManager:
         return any(s is not None and s >= step for s in (saved, resumed))
 
     def save_final(self) -> SaveStats | None:
-        """Save the last step :meth:`maybe_save` was given, with its state as it is now, unless it is saved
-        already (:meth:`has_saved`); returns the save's stats, or None. ``close()`` calls it (``final_save``);
-        an integration calls it at the clean end of its loop. Call it on every rank.
+        """Save the last step :meth:`maybe_save` was given (or that :meth:`resume` took from the fast tier), with its
+        state as it is now, unless it is saved already (:meth:`has_saved`) or the training has gone past it since
+        (:meth:`note_step` or :meth:`save` of a later step); returns the save's stats, or None. ``close()`` calls it
+        (``final_save``); an integration calls it at the clean end of its loop. Call it on every rank.
 
         Example:
             >>> with CheckpointManager("memory://doc/final", interval=10, announce=False) as m:
