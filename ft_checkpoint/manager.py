@@ -596,7 +596,9 @@ class CheckpointManager:
         if tier == "durable":  # a fast-tier step is not in the directory: a save of it there is still to come
             self._events.last_committed = manifest.step
         else:  # a clean end with no later step saves it there (a crash after the last step's fast save, say)
-            metadata = {k: v for k, v in manifest.metadata.items() if k != "fast_tier"}
+            from ft_checkpoint.tiers.write import FAST_TIER  # imported with the fast tier already
+
+            metadata = {k: v for k, v in manifest.metadata.items() if k != FAST_TIER}
             self._offered = (manifest.step, state, {"epoch": manifest.epoch, "metadata": metadata, "per_rank": per_rank})
         self.journal.record("resume", step=manifest.step, seconds=seconds, bytes=manifest.total_bytes, tier=tier,
                             source=source, failure_class=found_in_fast, why=why if tier == "durable" else None)
