@@ -6,7 +6,8 @@ before it committed. Then the same job is restarted ``--repeats`` times, each ti
 resumes and is killed again at the start of its first training step (so every restart resumes the same
 step), interleaved across the methods. The time counted runs from after ``import torch, lightning`` (or
 ``accelerate``), which every method pays alike, to the start of the first training step; the table shows
-the best and the median, and the ratio of the best to the best of the framework's own resume:
+the best and the median, the ratio of the best to the best of the framework's own resume, and the peak
+resident memory of the restarts (the most any of them held at its first step):
 
 - Lightning: ``ModelCheckpoint(every_n_train_steps, save_last=True)`` + ``fit(ckpt_path="last")``; ours:
   ``FaultTolerantCheckpoint`` on local disk, with a fast tier under ``/dev/shm`` (``fast_dirpath``), and
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import signal
 import statistics
@@ -95,7 +97,8 @@ class Marks:
         if self._profiler is not None:
             self._profiler.disable()
             self._profiler.dump_stats(self.profile)
-        print("RECOVERY " + json.dumps({"step": step, **self.marks}), flush=True)
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        print("RECOVERY " + json.dumps({"step": step, "peak_mb": peak_mb, **self.marks}), flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -350,7 +353,7 @@ def report_tables(args: argparse.Namespace, methods: list[str], runs: dict[str, 
     print(f"\nrecovery time: restart to first training step, {mb:.0f} MB state ({args.layers} x Linear({WIDTH}, "
           f"{WIDTH}) + Adam), killed at step {args.kill_at}, resumed at {args.every * (args.kill_at // args.every)}; "
           f"best of {args.repeats} fresh processes, page cache {cache}")
-    print(f"{'framework':<11}{'method':<44}{'best s':>8}{'median s':>10}{'vs framework':>14}")
+    print(f"{'framework':<11}{'method':<44}{'best s':>8}{'median s':>10}{'vs framework':>14}{'peak MB':>9}")
     best = {m: min(r["first_step"] for r in runs[m]) for m in methods}
     for m in methods:
         framework, kind = m.split(":")
@@ -358,7 +361,8 @@ def report_tables(args: argparse.Namespace, methods: list[str], runs: dict[str, 
         ref = best.get(f"{framework}:framework")
         ratio = f"{best[m] / ref:.2f}x" if ref else "-"
         median = statistics.median(r["first_step"] for r in runs[m])
-        print(f"{framework:<11}{label:<44}{best[m]:>8.2f}{median:>10.2f}{ratio:>14}")
+        peak = max(r.get("peak_mb", 0) for r in runs[m])
+        print(f"{framework:<11}{label:<44}{best[m]:>8.2f}{median:>10.2f}{ratio:>14}{peak:>9.0f}")
     print(f"\nthe best restart broken down (s): {', '.join(PHASES)} (see the docstring)")
     print(f"{'method':<22}" + "".join(f"{p:>9}" for p in PHASES) + f"{'total':>9}")
     for m in methods:
