@@ -431,7 +431,7 @@ class CheckpointManager:
         if last is not None and not last.committed and self.engine.in_flight:
             self.wait()  # its outcome decides: a lazy snapshot found torn at its settling is abandoned, never saved
         saved = last.step if last is not None and last.committed else None
-        resumed = self.resumed_from if not (self.resumed_source or "").startswith("fast tier") else None
+        resumed = self.resumed_from if not self._resumed_from_fast_tier else None
         return any(s is not None and s >= step for s in (saved, resumed))
 
     def save_final(self) -> SaveStats | None:
@@ -478,11 +478,16 @@ class CheckpointManager:
             return True, False
         return durable or not fast, fast
 
+    @property
+    def _resumed_from_fast_tier(self) -> bool:
+        """Whether :meth:`resume` took its step from the fast tier (whose steps the directory may not hold yet)."""
+        return (self.resumed_source or "").startswith("fast tier")
+
     def _fast_tier_has(self, step: int) -> bool:
         """Whether the fast tier resumed ``step`` or its last save was of ``step`` (committed, in flight or failed):
         the same answer on every rank, so that every rank writes the same tiers."""
         last = self.fast.last if self.fast is not None else None
-        resumed = self.resumed_from if (self.resumed_source or "").startswith("fast tier") else None
+        resumed = self.resumed_from if self._resumed_from_fast_tier else None
         return step in (last.step if last is not None else None, resumed)
 
     def check_continues_from(self, step: int, *, why: str | None = None) -> None:
@@ -532,7 +537,7 @@ class CheckpointManager:
         if self.resumed_from is None:
             return f"checkpoints go to {self.storage.url}, {when}{fast}"
         where = f"resuming from step {self.resumed_from}" + (f" ({position})" if position else "")
-        source = f" ({self.resumed_source})" if self.resumed_source and self.resumed_source.startswith("fast tier") else ""
+        source = f" ({self.resumed_source})" if self._resumed_from_fast_tier else ""
         return f"{where} of {self.storage.url}{source}, {when}{fast} ({self.loaded})"
 
     def _announce_start(self) -> None:
@@ -592,13 +597,11 @@ class CheckpointManager:
             set_rng_state(self.resumed_rng)
         seconds = time.perf_counter() - t0
         self.resumed_from, self.resumed_source = manifest.step, source
-        tier = "fast" if source.startswith("fast tier") else "durable"
+        tier = "fast" if self._resumed_from_fast_tier else "durable"
         if tier == "durable":  # a fast-tier step is not in the directory: a save of it there is still to come
             self._events.last_committed = manifest.step
         else:  # a clean end with no later step saves it there (a crash after the last step's fast save, say)
-            from ft_checkpoint.tiers.write import FAST_TIER  # imported with the fast tier already
-
-            metadata = {k: v for k, v in manifest.metadata.items() if k != FAST_TIER}
+            metadata = {k: v for k, v in manifest.metadata.items() if k != layout.FAST_TIER}
             self._offered = (manifest.step, state, {"epoch": manifest.epoch, "metadata": metadata, "per_rank": per_rank})
         self.journal.record("resume", step=manifest.step, seconds=seconds, bytes=manifest.total_bytes, tier=tier,
                             source=source, failure_class=found_in_fast, why=why if tier == "durable" else None)

@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 METADATA = "metadata.json"  # see tensor_metadata
+FAST_TIER = "fast_tier"
+"""The key of a fast-tier part's own metadata in its manifest (whose part it is: rank, world size, save, node)."""
 JOURNAL_DIR = "journal"
 FORMAT_VERSION = 2
 """2: raw tensor bytes, ``metadata.json``, CRC-32C. 1: DCP's FileSystemWriter format, SHA-256 (still read)."""

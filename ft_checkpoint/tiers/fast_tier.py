@@ -58,7 +58,7 @@ from ft_checkpoint.tiers import room, sources
 from ft_checkpoint.tiers.folder import FastFolder, clean_other_runs, run_key
 from ft_checkpoint.tiers.node import Ring, default_node_id
 from ft_checkpoint.tiers.transfer import exchange
-from ft_checkpoint.tiers.write import FAST_TIER, local_part, write_rank_step
+from ft_checkpoint.tiers.write import local_part, write_rank_step
 from ft_checkpoint.units import human_bytes
 
 log = logging.getLogger(__name__)
@@ -395,7 +395,7 @@ class FastTier:
     def _check(self, plan: sources.StepPlan) -> layout.Manifest:
         """This rank's part of ``plan``: its manifest (signature, sizes, kinds) and whose part it is; the manifest."""
         manifest = layout.check_step(self.folder.storage(self.rank), plan.step, signer=self.signer).raise_if_bad()
-        own = manifest.metadata.get(FAST_TIER)
+        own = manifest.metadata.get(layout.FAST_TIER)
         expected = {"rank": self.rank, "world_size": self.ring.world_size, "save": plan.save}
         if not isinstance(own, dict) or any(own.get(k) != v for k, v in expected.items()):
             raise CheckpointCorruptError(f"{self.folder.storage(self.rank).url}: step {plan.step} is not rank "
@@ -492,7 +492,7 @@ class FastStepLoader(StepLoader):
     def load(self, opened: OpenedStep, tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         tensors, skeleton = split_tree(tree)
         local, where = local_part(tensors)
-        saved = opened.manifest.metadata.get(FAST_TIER, {}).get("sharding")
+        saved = opened.manifest.metadata.get(layout.FAST_TIER, {}).get("sharding")
         if saved != where:
             raise StateMismatchError(f"step {opened.manifest.step}'s fast-tier part was saved with another sharding "
                                      "than the state has now (a fast-tier part is one rank's local shards)")

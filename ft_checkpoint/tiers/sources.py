@@ -116,7 +116,7 @@ def other_world_sizes(holdings: list[Holding], world_size: int) -> dict[int, int
 
 
 def _save_of(manifest: layout.Manifest) -> str:
-    own = manifest.metadata.get("fast_tier")
+    own = manifest.metadata.get(layout.FAST_TIER)
     return own.get("save", "") if isinstance(own, dict) and isinstance(own.get("save", ""), str) else ""
 
 

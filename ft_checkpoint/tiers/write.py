@@ -33,9 +33,6 @@ from ft_checkpoint.save.staging import _is_dtensor
 from ft_checkpoint.store import retry
 from ft_checkpoint.store.storage import Storage
 
-FAST_TIER = "fast_tier"
-"""The key of a fast-tier part's own metadata in its manifest."""
-
 
 def local_part(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, list[list[int]]]]:
     """``(this rank's tensors, where each DTensor's shard lies)``: a DTensor becomes its local tensor (a view, no
@@ -84,7 +81,7 @@ def write_rank_step(storage: Storage, step: int, tensors: Mapping[str, torch.Ten
                name: layout.FileEntry(size=len(rank_file), checksum=layout.checksum([rank_file]))}
     fields = dict(fields or {})
     own = {"rank": rank, "world_size": world_size, "save": save, "node": node, "sharding": sharding or {}}
-    fields["metadata"] = {**(fields.get("metadata") or {}), FAST_TIER: own}
+    fields["metadata"] = {**(fields.get("metadata") or {}), layout.FAST_TIER: own}
     manifest = layout.Manifest(step=step, world_size=1, files=entries, versions=versions(), **fields)
     if signer is not None:
         manifest = signer.sign(manifest)

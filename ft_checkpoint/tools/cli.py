@@ -435,7 +435,9 @@ def _inspect_lines(info: dict[str, Any]) -> list[str]:
     lines = [f"step {info['step']} of {info['url']}: saved {utc(m['time'])}, world size {m['world_size']}, "
              f"epoch {m['epoch']}, format {m['format_version']}",
              "versions: " + ", ".join(f"{k} {v}" for k, v in sorted(m["versions"].items())), _signature_line(info)]
-    fast = m["metadata"].get("fast_tier") if isinstance(m["metadata"], dict) else None
+    from ft_checkpoint.format.layout import FAST_TIER
+
+    fast = m["metadata"].get(FAST_TIER) if isinstance(m["metadata"], dict) else None
     if isinstance(fast, dict):
         lines.append(f"fast tier: rank {fast.get('rank')}'s part of a step of {fast.get('world_size')} ranks, on node "
                      f"{fast.get('node')} (its local state only: what this rank loads at a resume)")
