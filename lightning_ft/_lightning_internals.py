@@ -19,7 +19,9 @@ Lightning offers no public way to do these things a fault-tolerant callback need
 7. keep an epoch that a resume landed in as the uninterrupted run had it: Lightning calls no
    ``on_train_epoch_start`` there (``StochasticWeightAveraging._initialized``), steps no ``ReduceLROnPlateau`` at
    its end (``fit_loop._restarting``) and keeps no state of its epoch-level training metrics
-   (``epoch_loop._results``: a warning names them).
+   (``epoch_loop._results``: a warning names them);
+8. keep a SIGTERM from ending the fit at the end of a batch a resume cannot start after (or of a validation
+   batch): Lightning's handler sets ``_signal_connector.received_sigterm``, which its loops raise on.
 
 Each use is a small function here. ``tests/lightning/test_lightning_internals.py`` exercises every one
 of them against the installed Lightning and fails, naming this module, when a release changes one.
@@ -34,7 +36,9 @@ from __future__ import annotations
 
 import functools
 import re
+import signal
 import sys
+import threading
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -126,6 +130,29 @@ def after_module_batch_end(trainer: pl.Trainer, fn: Callable[[], None]) -> None:
         fn()
 
     connector.on_batch_end = on_batch_end
+
+
+def keep_sigterm_from_loops(trainer: pl.Trainer) -> None:
+    """Let a SIGTERM reach Lightning's handler (and the ones it chains) but not its loops.
+
+    Lightning's handler, installed when ``fit`` starts training, sets ``received_sigterm``; its loops then raise
+    ``SIGTERMException`` at the end of the batch, or of the validation batch, the signal came in. Where no resume
+    can start (a batch a validation follows, the last of an epoch, a validation) that exit saved nothing newer than
+    the last committed step. With the flag cleared right after the handler ran, the fit goes on to the next batch a
+    resume can start after, where the callback, which watches SIGTERM itself, saves and exits. Call from the main
+    thread once Lightning installed its handlers (``on_train_start``); Lightning's teardown puts the handlers back.
+    """
+    connector = trainer._signal_connector
+    previous = signal.getsignal(signal.SIGTERM)
+    if not callable(previous) or threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        previous(signum, frame)
+        connector.received_sigterm = False
+
+    signal.signal(signal.SIGTERM, handler)
+    connector.received_sigterm = False  # one that came while the fit started: the callback's watcher saw it too
 
 
 def allow_without_lightning_checkpointing(callback_type: type) -> None:

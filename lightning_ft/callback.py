@@ -115,10 +115,11 @@ class FaultTolerantCheckpoint(Checkpoint):
         dirpath: Local path or fsspec URL (``gs://bucket/run``, ``s3://...``). Default:
             ``FT_CHECKPOINT_DIRPATH`` or the config file, else ``<trainer.default_root_dir>/ft_checkpoints``
             (on several nodes, give a shared path).
-        save_on_exception: When training raises (an error, Ctrl-C, SIGTERM), also save the state of the last
-            completed step before the exception propagates, unless the exception interrupted that step's
-            optimizer update. Under DDP every rank must raise after the same step (as on SIGTERM, which
-            Lightning turns into an exception on all ranks at the same batch); otherwise nothing is saved.
+        save_on_exception: When training raises (an error, Ctrl-C, a SIGTERM not in ``preemption_signals``),
+            also save the state of the last completed step before the exception propagates, unless the
+            exception interrupted that step's optimizer update. Under DDP every rank must raise after the same
+            step (as on such a SIGTERM, which Lightning turns into an exception on all ranks at the same
+            batch); otherwise nothing is saved.
         drain_timeout: Seconds to wait, after an exception, for a save in flight to commit.
         policy: A :class:`ft_checkpoint.SavePolicy` instead of the one ``interval`` names.
         interval: ...and every other keyword: the fields of :class:`ft_checkpoint.CheckpointConfig`, with their
@@ -148,9 +149,11 @@ class FaultTolerantCheckpoint(Checkpoint):
     the preemption, a ``sbatch --requeue`` job is requeued, and the process exits with code 0
     (:class:`ft_checkpoint.errors.Preempted`). Handlers installed before ``fit`` still run. Because this
     callback's SIGUSR1 handler is in place first, Lightning's SLURM auto-requeue handler (which saves
-    inside the signal handler) is not installed. If Lightning's own SIGTERM exit comes first (a SIGTERM
-    at a batch a resume cannot start after), the preemption is still journaled, and
-    ``save_on_exception`` saves the last completed step.
+    inside the signal handler) is not installed. Lightning's own SIGTERM handler runs too, but its exit at
+    the end of the batch (or validation batch) does not happen: at a batch a resume cannot start after
+    (one a validation follows, the last of an epoch) or during a validation, that exit saved nothing; the
+    fit now goes on to the next batch a resume can start after, and saves there (``trainer.received_sigterm``
+    stays False).
 
     Example:
         >>> cb = FaultTolerantCheckpoint("memory://doc/cb", interval=50, save_on_exception=True)
@@ -260,6 +263,8 @@ class FaultTolerantCheckpoint(Checkpoint):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.manager is not None
         self._last_step = trainer.global_step
+        if "SIGTERM" in self.manager.watcher.signals:
+            internals.keep_sigterm_from_loops(trainer)
         resume, self._resume = self._resume, None
         if resume is not None:
             self._continue_epoch(trainer, resume)

@@ -64,6 +64,8 @@ class Net(pl.LightningModule):
         self._batch_ended = False
         self.in_step: Any = None
         """Called as ``in_step(trainer)`` inside every ``training_step`` (tests send signals from there)."""
+        self.in_validation_step: Any = None
+        """Called as ``in_validation_step(trainer)`` inside every ``validation_step``."""
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y, idx = batch
@@ -77,6 +79,8 @@ class Net(pl.LightningModule):
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y, _ = batch
+        if self.in_validation_step is not None:
+            self.in_validation_step(self.trainer)
         self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
 
     def on_train_epoch_end(self) -> None:

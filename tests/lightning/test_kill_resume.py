@@ -16,6 +16,8 @@ import random
 import pytest
 import torch
 
+from ft_checkpoint import read_journal
+from ft_checkpoint.store.storage import Storage
 from lightning_ft.testing import assert_same
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -84,12 +86,16 @@ def test_ddp_two_ranks_sigkill_resume_is_bit_exact(job, tmp_path):
                 torch.load(os.path.join(out, "final.pt"), weights_only=False))
 
 
-def test_sigterm_with_save_on_exception_saves_that_step(job, tmp_path, single_reference):
-    """A preemption notice (SIGTERM) between saves: the step it interrupted after is saved and resumed from."""
+def test_sigterm_after_a_batch_saves_the_next_and_is_no_exception(job, tmp_path, single_reference):
+    """A preemption notice (SIGTERM) to the whole job between saves, after every hook of step 10's batch: the next
+    batch is saved and resumed from (Lightning's loops raised at the end of step 10's batch before, and only
+    ``save_on_exception`` saved it)."""
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
     job.run(ckpt, out, "--interval", 4, "--sigterm-at", 10, "--save-on-exception")
+    assert [(e["step"], e["reason"]) for e in read_journal(Storage(ckpt)) if e["event"] == "preempted"] == [
+        (11, "SIGTERM")]
     job.run(ckpt, out, "--interval", 4)
-    assert [r["resumed_from"] for r in read_runs(out)] == [None, 10]
+    assert [r["resumed_from"] for r in read_runs(out)] == [None, 11]
     assert_same(torch.load(single_reference, weights_only=False),
                 torch.load(os.path.join(out, "final.pt"), weights_only=False))
 

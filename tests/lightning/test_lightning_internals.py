@@ -231,3 +231,31 @@ def test_the_torchmetrics_state_a_resume_puts_back_is_the_metrics_whole_state():
     fresh["mean"].update(torch.tensor(7.0))
     assert fresh["mean"].compute() == 4.0 and fresh["mean"]._update_count == 4
     assert [t.tolist() for t in fresh["cat"].value] == [[1.0], [2.0], [6.0]], "the list state's parts as they were"
+
+
+def test_keep_sigterm_from_loops_lets_the_fit_run_past_a_sigterm_and_keeps_the_handler_chain():
+    """Lightning's loops raise on ``_signal_connector.received_sigterm``, which its SIGTERM handler sets."""
+    import os
+    import signal
+
+    from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+
+    assert "received_sigterm = True" in inspect.getsource(_SignalConnector._sigterm_notifier_fn), HINT
+    seen: list[int] = []
+
+    class Keep(pl.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            internals.keep_sigterm_from_loops(trainer)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            seen.append(trainer.global_step)
+            if trainer.global_step == 6:  # a validation follows: Lightning would raise at its first batch's end
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, lambda *_: seen.append(-1))  # a handler from before the fit
+    try:
+        _, _, trainer, _ = fit([Keep()], max_steps=9, enable_checkpointing=False)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert seen[-1] == 9 and -1 in seen, seen  # the fit went on; the handler from before still ran
+    assert not trainer.received_sigterm

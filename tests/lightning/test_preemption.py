@@ -61,3 +61,31 @@ def test_ddp_notice_at_a_batch_followed_by_validation_saves_the_next_step(job, t
     assert [r["resumed_from"] for r in read_runs(out)] == [None, None, 4, 4]
     assert_same(torch.load(ddp_reference, weights_only=False),
                 torch.load(os.path.join(out, "final.pt"), weights_only=False))
+
+
+@pytest.mark.parametrize("where", ["step", "validation"])
+def test_sigterm_at_a_batch_a_validation_follows_or_during_the_validation_saves_the_next_step(
+        job, tmp_path, single_reference, where):
+    """D3: Lightning turns a SIGTERM into an exception at the end of the batch it came in, or of the validation batch,
+    and a resume cannot start after a batch a validation follows (it would skip the validation): such a SIGTERM
+    saved nothing newer than the last committed step. The SIGTERM is ours now, as SIGUSR1 is: the validation runs to
+    its end, the next batch is saved, and the job exits 0 and resumes exactly."""
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    signal_at = ("--signal-in-step", 5) if where == "step" else ("--signal-in-validation", 6)  # validation after 6
+    job.run(ckpt, out, "--interval", 4, *signal_at, "--signal", "SIGTERM")
+    assert [(e["step"], e["reason"]) for e in preempted_events(ckpt)] == [(7, "SIGTERM")]
+    assert not os.path.exists(os.path.join(out, "final.pt"))
+    job.run(ckpt, out, "--interval", 4)
+    assert [r["resumed_from"] for r in read_runs(out)] == [None, 7]
+    assert_same(torch.load(single_reference, weights_only=False),
+                torch.load(os.path.join(out, "final.pt"), weights_only=False))
+
+
+def test_ddp_sigterm_during_a_validation_saves_the_next_step_on_both_ranks(job, tmp_path, ddp_reference):
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    job.run(ckpt, out, *DDP, "--signal-in-validation", 3, "--signal", "SIGTERM")  # validation follows step 3
+    assert [(e["step"], e["reason"]) for e in preempted_events(ckpt)] == [(4, "SIGTERM on rank 0")]
+    job.run(ckpt, out, *DDP)
+    assert [r["resumed_from"] for r in read_runs(out)] == [None, None, 4, 4]
+    assert_same(torch.load(ddp_reference, weights_only=False),
+                torch.load(os.path.join(out, "final.pt"), weights_only=False))

@@ -6,8 +6,9 @@
 started at STEP is in flight), or ``writing`` (when the writer of the save of step STEP has written the
 data but not the manifest). The kill is a SIGKILL of the whole process group: every rank dies at once,
 as on a lost node. Run it with ``start_new_session=True``. ``--sigterm-at STEP`` sends SIGTERM instead
-(a preemption notice; Lightning turns it into an exception, and the job exits); ``--signal-in-step STEP``
-sends ``--signal`` to rank 0 inside a training step (FaultTolerantCheckpoint makes the final save). With
+(a preemption notice: FaultTolerantCheckpoint saves the next batch and the job exits); ``--signal-in-step STEP``
+sends ``--signal`` to rank 0 inside a training step (FaultTolerantCheckpoint makes the final save), and
+``--signal-in-validation STEP`` inside the first validation step after step STEP. With
 ``--devices 2`` Lightning's DDP launcher starts rank 1 by running this script again (hence the ``__main__`` guard).
 
 ``--kill-after-commit`` makes a ``batch_end`` kill wait for the save in flight to commit first (the
@@ -88,6 +89,8 @@ def main() -> None:
     p.add_argument("--sigterm-at", type=int, default=None, help="SIGTERM the job after this step")
     p.add_argument("--signal-in-step", type=int, default=None,
                    help="rank 0 sends itself --signal inside the training step that starts at this global step")
+    p.add_argument("--signal-in-validation", type=int, default=None,
+                   help="rank 0 sends itself --signal inside the first validation step after this global step")
     p.add_argument("--signal", default="SIGUSR1")
     p.add_argument("--user-sigterm-marker", default=None, help="install a SIGTERM handler of the user's that writes this")
     p.add_argument("--save-on-exception", action="store_true")
@@ -124,6 +127,13 @@ def main() -> None:
             if tr.global_step == args.signal_in_step and tr.is_global_zero:
                 os.kill(os.getpid(), signal.Signals[args.signal])
         model.in_step = notice
+    if args.signal_in_validation is not None:
+        def notice_in_validation(tr: pl.Trainer) -> None:
+            if tr.global_step == args.signal_in_validation and tr.is_global_zero and not sent:
+                sent.append(True)
+                os.kill(os.getpid(), signal.Signals[args.signal])
+        sent: list[bool] = []
+        model.in_validation_step = notice_in_validation
     if args.kill_at is not None and args.kill_how == "writing":
         class ArmWriterKill(pl.Callback):
             def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
