@@ -140,17 +140,21 @@ def keep_sigterm_from_loops(trainer: pl.Trainer) -> None:
     can start (a batch a validation follows, the last of an epoch, a validation) that exit saved nothing newer than
     the last committed step. With the flag cleared right after the handler ran, the fit goes on to the next batch a
     resume can start after, where the callback, which watches SIGTERM itself, saves and exits. Call from the main
-    thread once Lightning installed its handlers (``on_train_start``); Lightning's teardown puts the handlers back.
+    thread once Lightning installed its handlers (``on_sanity_check_start``, ``on_train_start``: a second call does
+    nothing); Lightning's teardown puts the handlers back.
     """
     connector = trainer._signal_connector
     previous = signal.getsignal(signal.SIGTERM)
-    if not callable(previous) or threading.current_thread() is not threading.main_thread():
+    if not callable(previous) or getattr(previous, "keeps_sigterm_from", None) is connector:
+        return
+    if threading.current_thread() is not threading.main_thread():
         return
 
     def handler(signum: int, frame: Any) -> None:
         previous(signum, frame)
         connector.received_sigterm = False
 
+    handler.keeps_sigterm_from = connector  # type: ignore[attr-defined]
     signal.signal(signal.SIGTERM, handler)
     connector.received_sigterm = False  # one that came while the fit started: the callback's watcher saw it too
 

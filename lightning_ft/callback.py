@@ -273,6 +273,10 @@ class FaultTolerantCheckpoint(Checkpoint):
                                               f"continues from step {trainer.global_step}")
         messages.announce_start(trainer, self.manager, resumed=resume is not None, resumed_from=self.resumed_from)
 
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.manager is not None and "SIGTERM" in self.manager.watcher.signals:
+            internals.keep_sigterm_from_loops(trainer)  # Lightning's handler is in place: it runs before training
+
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         settle_snapshots()  # weight averaging swaps weights in through .data, which no version counter sees
 

@@ -246,6 +246,9 @@ def test_keep_sigterm_from_loops_lets_the_fit_run_past_a_sigterm_and_keeps_the_h
     class Keep(pl.Callback):
         def on_train_start(self, trainer, pl_module) -> None:
             internals.keep_sigterm_from_loops(trainer)
+            installed = signal.getsignal(signal.SIGTERM)
+            internals.keep_sigterm_from_loops(trainer)  # a second call wraps nothing more
+            assert signal.getsignal(signal.SIGTERM) is installed
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             seen.append(trainer.global_step)

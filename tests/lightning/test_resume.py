@@ -499,3 +499,28 @@ def test_a_restart_with_another_accumulate_grad_batches_warns(tmp_path):
         if warned:
             assert "saved with accumulate_grad_batches=2, in a run with accumulate_grad_batches=1" in warned[0]
             assert "HINT: restart with accumulate_grad_batches=2" in warned[0]
+
+
+def test_a_sigterm_during_the_sanity_check_saves_the_first_step_a_resume_can_start_after(tmp_path):
+    """Lightning installs its SIGTERM handler before the sanity check, whose loop raised at the end of its batch:
+    the preemption ended the fit before any training, and a restart trained from scratch again. Now the sanity check
+    finishes and the first step is saved before the job exits."""
+    import signal
+
+    from ft_checkpoint import read_journal
+
+    pl.seed_everything(0, verbose=False)
+    model, cb = Net(), ft(tmp_path / "ckpt", interval=100)
+
+    def term(tr: pl.Trainer) -> None:
+        if tr.sanity_checking:
+            model.in_validation_step = None
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    model.in_validation_step = term
+    with pytest.raises(SystemExit) as stopped:
+        trainer([cb], num_sanity_val_steps=2).fit(model, datamodule=Data())
+    assert stopped.value.code == 0
+    assert committed(tmp_path / "ckpt") == [1]
+    assert [(e["step"], e["reason"]) for e in read_journal(Storage(str(tmp_path / "ckpt")))
+            if e["event"] == "preempted"] == [(1, "SIGTERM")]
