@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import torch
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
 from lightning_ft import _lightning_internals as internals
@@ -47,23 +46,6 @@ class Snapshots:
         loader = epoch_start.to_state() if epoch_start is not None else {}
         loader.update(world_size=trainer.world_size, accumulate_grad_batches=trainer.accumulate_grad_batches)
         return {"lightning": to_core(checkpoint), "loader": loader, **engine}
-
-    @staticmethod
-    def load_in_place(trainer: pl.Trainer) -> dict[str, Any]:
-        """The model's own tensors for a resume to read the saved weights into (``{"state_dict": ...}``), or ``{}``.
-
-        Read in place, the weights go into memory the model's initialisation touched already, and Lightning's
-        ``load_state_dict`` then copies each tensor onto itself (no copy): a resume spends no fresh memory and
-        no second pass on them. Only where the saved ``state_dict`` is the module's own (single device, DDP) and
-        Lightning loads it strictly; plain tensors only (not meta, not a subclass): the rest is read into new
-        tensors as before. A load that fails half way may leave the model partly overwritten: the resume then
-        tries the step before (see :meth:`ft_checkpoint.CheckpointManager.resume`).
-        """
-        module = trainer.lightning_module
-        if isinstance(trainer.strategy, DeepSpeedStrategy) or not module.strict_loading:
-            return {}
-        return {"state_dict": {k: t for k, t in module.state_dict().items()
-                               if type(t) is torch.Tensor and t.layout == torch.strided and t.device.type != "meta"}}
 
     def engine_state(self, trainer: pl.Trainer) -> dict[str, Any]:
         """Under DeepSpeed ``{"deepspeed": DeepSpeedState(engine)}``, else ``{}``. The engine exists once

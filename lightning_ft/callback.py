@@ -420,8 +420,7 @@ class FaultTolerantCheckpoint(Checkpoint):
                 log.info("fit(ckpt_path=%r) was given: resuming from it, not from the newest checkpoint in %s",
                          str(ckpt_path), self.manager.storage.url)
             return None
-        state: dict[str, Any] = {"lightning": self._snapshots.load_in_place(trainer), "loader": {},
-                                 **self._snapshots.engine_state(trainer)}
+        state: dict[str, Any] = {"lightning": {}, "loader": {}, **self._snapshots.engine_state(trainer)}
         step = self.manager.resume(state, restore_rng=False, check=check_model_tensors)  # RNG: once the data is back
         if step is None:
             return None

@@ -200,30 +200,6 @@ def test_a_tensor_left_out_of_the_metadata_falls_back_to_the_previous_step(tmp_p
     assert data_module.train_epochs == reference[1]
 
 
-class WeightsLoaded(pl.Callback):
-    """Records, when Lightning restores a checkpoint, whether each saved weight is the module's own tensor."""
-
-    own: dict[str, bool] | None = None
-
-    def on_load_checkpoint(self, trainer, pl_module, checkpoint) -> None:
-        mine = {k: t.data_ptr() for k, t in pl_module.state_dict().items()}
-        self.own = {k: t.data_ptr() == mine[k] for k, t in checkpoint["state_dict"].items()}
-
-
-def test_a_resume_reads_the_weights_into_the_models_own_tensors(tmp_path, reference):
-    """Issue 27: the weights were read into new tensors, then copied into the model by Lightning's load_state_dict:
-    a second copy of the model in memory, never touched before (each page faulted in), and one more pass. Now they
-    are read straight into the module's parameters and buffers, and the resume is exact as before."""
-    fit([ft(tmp_path / "ckpt")], crash_at=22)
-    seen = WeightsLoaded()
-    cb = ft(tmp_path / "ckpt")
-    model, data_module, trainer, _ = fit([cb, seen])
-    assert cb.resumed_from == 20
-    assert seen.own and all(seen.own.values()), seen.own
-    assert_same(reference[0], final_state(model, trainer))
-    assert data_module.train_epochs == reference[1]
-
-
 class Wider(Net):
     """Net with a buffer the saved steps lack, loaded non-strictly (``strict_loading = False``)."""
 
@@ -234,8 +210,8 @@ class Wider(Net):
 
 
 def test_a_module_loaded_non_strictly_resumes_with_a_tensor_the_step_lacks(tmp_path):
-    """Reading into the model's own tensors must not make the resume strict: a module that loads non-strictly and
-    gained a tensor since the save resumes from the newest step, its new tensor as initialised."""
+    """A module that loads non-strictly and gained a tensor since the save resumes from the newest step, its new
+    tensor as initialised (a resume that read into the model's own tensors would be strict)."""
     fit([ft(tmp_path / "ckpt")], crash_at=22)
     pl.seed_everything(0, verbose=False)
     model, cb = Wider(), ft(tmp_path / "ckpt")
@@ -244,22 +220,52 @@ def test_a_module_loaded_non_strictly_resumes_with_a_tensor_the_step_lacks(tmp_p
     assert torch.equal(model.added, torch.full((3,), 7.0))
 
 
-def test_a_resume_whose_every_step_fails_half_loaded_stops_and_the_next_start_is_fresh(tmp_path):
-    """The weights are read in place, so a step that fails its checks half way through the read may have
-    overwritten some of them: with no earlier step to load, the resume stops with the reason (it would otherwise
-    train on from a mix of the new model and the corrupt step); the step is set aside, and the next start trains
-    from scratch."""
-    fit([ft(tmp_path / "ckpt", interval=30)], max_steps=8)  # one step: the final save's
-    assert committed(tmp_path / "ckpt") == [8]
-    shard = tmp_path / "ckpt" / layout.step_dir(8) / "__0_0.distcp"
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    shard.write_bytes(bytes(data))
-    with pytest.raises(Exception, match="partly overwritten.*start the job again"):
-        fit([ft(tmp_path / "ckpt")])
-    cb = ft(tmp_path / "ckpt")
-    fit([cb], max_steps=2)
-    assert cb.resumed_from is None
+class Swapped(Net):
+    """Saves its two linear layers' biases under each other's names and swaps them back at the load (a checkpoint
+    format of its own), and keeps its last layer's weight as initialised at a load."""
+
+    def on_save_checkpoint(self, checkpoint) -> None:
+        sd = checkpoint["state_dict"]
+        sd["net.0.bias"], sd["net.4.bias"] = sd["net.4.bias"], sd["net.0.bias"]
+
+    def on_load_checkpoint(self, checkpoint) -> None:
+        sd = checkpoint["state_dict"]
+        sd["net.0.bias"], sd["net.4.bias"] = sd["net.4.bias"], sd["net.0.bias"]
+        sd["net.4.weight"] = self.net[4].weight.detach().clone()
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_a_resume_gives_the_checkpoint_to_the_modules_hooks_and_the_precision_as_saved(tmp_path, precision):
+    """Lightning restores a checkpoint before ``bf16-true`` converts the module (its weights are float32 then, the
+    saved ones bfloat16), and hands it to ``on_load_checkpoint``, which may rename, swap or replace what was saved:
+    a resume that wrote the saved tensors into the module's own before Lightning's restore refused every step of a
+    bf16-true run (StateMismatchError), loaded swapped tensors onto each other and showed the hook the saved weights
+    as the module's. Both resume as Lightning restores them (the red team's reproductions of d28ff7b)."""
+    pl.seed_everything(0, verbose=False)
+    model = Swapped()
+    model.kill = lambda t: (_ for _ in ()).throw(Crash("crash")) if t.global_step == 10 else None
+    with pytest.raises(Crash):
+        trainer([ft(tmp_path / "ckpt")], max_steps=12, precision=precision).fit(model, datamodule=Data())
+
+    class Start(pl.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.state = {k: v.clone() for k, v in pl_module.state_dict().items()}
+
+    from ft_checkpoint import CheckpointManager
+
+    with CheckpointManager(str(tmp_path / "ckpt"), announce=False) as manager:  # the step as saved
+        state: dict = {"lightning": {}, "loader": {}}
+        assert manager.resume(state) == 8
+    saved = state["lightning"]["state_dict"]
+    pl.seed_everything(0, verbose=False)
+    model, cb, start = Swapped(), ft(tmp_path / "ckpt"), Start()
+    initial = model.net[4].weight.detach().clone()
+    trainer([cb, start], max_steps=9, precision=precision).fit(model, datamodule=Data())
+    assert cb.resumed_from == 8
+    assert torch.equal(start.state["net.0.bias"].float(), saved["net.4.bias"].float())  # swapped back by the hook
+    assert torch.equal(start.state["net.4.bias"].float(), saved["net.0.bias"].float())
+    assert torch.equal(start.state["net.4.weight"].float(), initial.to(start.state["net.4.weight"].dtype).float())
+    assert torch.equal(start.state["net.1.running_mean"].float(), saved["net.1.running_mean"].float())
 
 
 def committed(dirpath) -> list[int]:
