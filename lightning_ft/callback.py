@@ -149,11 +149,11 @@ class FaultTolerantCheckpoint(Checkpoint):
     the preemption, a ``sbatch --requeue`` job is requeued, and the process exits with code 0
     (:class:`ft_checkpoint.errors.Preempted`). Handlers installed before ``fit`` still run. Because this
     callback's SIGUSR1 handler is in place first, Lightning's SLURM auto-requeue handler (which saves
-    inside the signal handler) is not installed. Lightning's own SIGTERM handler runs too, but its exit at
-    the end of the batch (or validation batch) does not happen: at a batch a resume cannot start after
-    (one a validation follows, the last of an epoch) or during a validation, that exit saved nothing; the
-    fit now goes on to the next batch a resume can start after, and saves there (``trainer.received_sigterm``
-    stays False).
+    inside the signal handler) is not installed. In a single process Lightning's own SIGTERM handler runs
+    too, but its exit at the end of the batch (or validation batch) does not happen: at a batch a resume
+    cannot start after (one a validation follows, the last of an epoch) or during a validation, that exit
+    saved nothing; the fit goes on to the next batch a resume can start after, and saves there
+    (``trainer.received_sigterm`` stays False). Under DDP Lightning's exit is kept (see ``_keep_sigterm``).
 
     Example:
         >>> cb = FaultTolerantCheckpoint("memory://doc/cb", interval=50, save_on_exception=True)
@@ -263,8 +263,7 @@ class FaultTolerantCheckpoint(Checkpoint):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.manager is not None
         self._last_step = trainer.global_step
-        if "SIGTERM" in self.manager.watcher.signals:
-            internals.keep_sigterm_from_loops(trainer)
+        self._keep_sigterm(trainer)
         resume, self._resume = self._resume, None
         if resume is not None:
             self._continue_epoch(trainer, resume)
@@ -274,8 +273,14 @@ class FaultTolerantCheckpoint(Checkpoint):
         messages.announce_start(trainer, self.manager, resumed=resume is not None, resumed_from=self.resumed_from)
 
     def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.manager is not None and "SIGTERM" in self.manager.watcher.signals:
-            internals.keep_sigterm_from_loops(trainer)  # Lightning's handler is in place: it runs before training
+        self._keep_sigterm(trainer)  # Lightning's handler is in place: the sanity check runs before training
+
+    def _keep_sigterm(self, trainer: pl.Trainer) -> None:
+        """A SIGTERM is ours in a single process. Not under DDP: Lightning's handler broadcasts rank 0's flag inside
+        the signal handler, which its loops' per-batch broadcast must match; a flag cleared on one rank and not
+        read on another desynchronises their collectives (a hang, or gloo's size mismatch)."""
+        if self.manager is not None and "SIGTERM" in self.manager.watcher.signals and trainer.world_size == 1:
+            internals.keep_sigterm_from_loops(trainer)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         settle_snapshots()  # weight averaging swaps weights in through .data, which no version counter sees

@@ -79,13 +79,3 @@ def test_sigterm_at_a_batch_a_validation_follows_or_during_the_validation_saves_
     assert [r["resumed_from"] for r in read_runs(out)] == [None, 7]
     assert_same(torch.load(single_reference, weights_only=False),
                 torch.load(os.path.join(out, "final.pt"), weights_only=False))
-
-
-def test_ddp_sigterm_during_a_validation_saves_the_next_step_on_both_ranks(job, tmp_path, ddp_reference):
-    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
-    job.run(ckpt, out, *DDP, "--signal-in-validation", 3, "--signal", "SIGTERM")  # validation follows step 3
-    assert [(e["step"], e["reason"]) for e in preempted_events(ckpt)] == [(4, "SIGTERM on rank 0")]
-    job.run(ckpt, out, *DDP)
-    assert [r["resumed_from"] for r in read_runs(out)] == [None, None, 4, 4]
-    assert_same(torch.load(ddp_reference, weights_only=False),
-                torch.load(os.path.join(out, "final.pt"), weights_only=False))
