@@ -149,11 +149,12 @@ class FaultTolerantCheckpoint(Checkpoint):
     the preemption, a ``sbatch --requeue`` job is requeued, and the process exits with code 0
     (:class:`ft_checkpoint.errors.Preempted`). Handlers installed before ``fit`` still run. Because this
     callback's SIGUSR1 handler is in place first, Lightning's SLURM auto-requeue handler (which saves
-    inside the signal handler) is not installed. In a single process Lightning's own SIGTERM handler runs
-    too, but its exit at the end of the batch (or validation batch) does not happen: at a batch a resume
-    cannot start after (one a validation follows, the last of an epoch) or during a validation, that exit
-    saved nothing; the fit goes on to the next batch a resume can start after, and saves there
-    (``trainer.received_sigterm`` stays False). Under DDP Lightning's exit is kept (see ``_keep_sigterm``).
+    inside the signal handler) is not installed. Lightning's own SIGTERM handler is left out of the chain
+    it installs (the handlers it chains still run), single process or DDP: its exit at the end of the batch
+    (or validation batch) saved nothing at a batch a resume cannot start after (one a validation follows,
+    the last of an epoch) or during a validation, and under DDP its broadcast inside the signal handler
+    desynchronised the ranks when one rank alone, or one rank twice, got the signal. The fit goes on to the
+    next batch a resume can start after, and saves there (``trainer.received_sigterm`` stays False).
 
     Example:
         >>> cb = FaultTolerantCheckpoint("memory://doc/cb", interval=50, save_on_exception=True)
@@ -249,6 +250,8 @@ class FaultTolerantCheckpoint(Checkpoint):
         internals.intercept_resume(trainer, lambda ckpt_path: self._load(trainer, ckpt_path))
         internals.before_first_iterator(trainer, lambda: self._capture_epoch_start(trainer))
         internals.after_module_batch_end(trainer, lambda: self._after_batch(trainer))
+        if "SIGTERM" in self.manager.watcher.signals:
+            internals.keep_sigterm_from_loops(trainer)  # the watcher's notice ends the fit, not Lightning's handler
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # manual optimization: several optimizers, stepped at their own rates
@@ -263,7 +266,6 @@ class FaultTolerantCheckpoint(Checkpoint):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.manager is not None
         self._last_step = trainer.global_step
-        self._keep_sigterm(trainer)
         resume, self._resume = self._resume, None
         if resume is not None:
             self._continue_epoch(trainer, resume)
@@ -271,16 +273,6 @@ class FaultTolerantCheckpoint(Checkpoint):
             self.manager.check_continues_from(trainer.global_step, why=f"fit(ckpt_path={str(trainer.ckpt_path)!r}) "
                                               f"continues from step {trainer.global_step}")
         messages.announce_start(trainer, self.manager, resumed=resume is not None, resumed_from=self.resumed_from)
-
-    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._keep_sigterm(trainer)  # Lightning's handler is in place: the sanity check runs before training
-
-    def _keep_sigterm(self, trainer: pl.Trainer) -> None:
-        """A SIGTERM is ours in a single process. Not under DDP: Lightning's handler broadcasts rank 0's flag inside
-        the signal handler, which its loops' per-batch broadcast must match; a flag cleared on one rank and not
-        read on another desynchronises their collectives (a hang, or gloo's size mismatch)."""
-        if self.manager is not None and "SIGTERM" in self.manager.watcher.signals and trainer.world_size == 1:
-            internals.keep_sigterm_from_loops(trainer)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         settle_snapshots()  # weight averaging swaps weights in through .data, which no version counter sees
@@ -543,7 +535,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         except Exception:
             log.exception("save_on_exception: the save failed; the last committed checkpoint is intact")
         try:
-            if self.manager.preemption_requested:  # Lightning's SIGTERM exit came before a step boundary of ours
+            if self.manager.preemption_requested:  # a notice came, then an exception before a step boundary of ours
                 self.manager.stop_for_preemption()
         except Preempted:
             return  # journaled (and requeued); Lightning's own exit is already under way

@@ -68,15 +68,21 @@ class PreemptionWatcher:
         """The names of the signals watched."""
         return [s.name for s in self._previous]
 
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
+    def _handle(self, signum: int, frame: FrameType | None, *, installed: bool | None = None) -> None:
         sig = signal.Signals(signum)
         previous = self._previous.get(sig, signal.SIG_DFL)
         if not self._closed and not self.requested:
             self.requested, self.reason = True, sig.name
-        if callable(previous):
+        if installed is None:
+            installed = signal.getsignal(sig) == self._handle
+        older = getattr(previous, "__self__", None)
+        if isinstance(older, PreemptionWatcher):  # a watcher from before (an earlier fit's): closed ones pass it on
+            older._handle(signum, frame, installed=installed and self._closed)
+        elif callable(previous):
             previous(signum, frame)
-        elif self._closed and previous == signal.SIG_DFL and signal.getsignal(sig) == self._handle:
-            # closed, yet put back as the handler (Lightning restores the handlers it found): act as the default
+        elif self._closed and installed and previous == signal.SIG_DFL:
+            # closed, yet put back as the handler (Lightning restores the handlers it found), alone or chained only
+            # by closed watchers (two fits in one process): act as the default
             signal.signal(sig, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -91,6 +92,29 @@ def test_a_closed_watcher_chained_by_a_newer_one_does_nothing():
         newer.close()
     finally:
         signal.signal(signal.SIGUSR2, before)
+
+
+CLOSED_CHAIN = """
+import os, signal, sys, time
+from ft_checkpoint.run.preemption import PreemptionWatcher
+for _ in range(int(sys.argv[1])):  # one watcher per fit, Lightning's handler over it, put back at the fit's end
+    watcher = PreemptionWatcher(["SIGTERM"])
+    installed = signal.signal(signal.SIGTERM, lambda *_: None)
+    watcher.close()
+    signal.signal(signal.SIGTERM, installed)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(5)
+print("the SIGTERM was swallowed")
+"""
+
+
+@pytest.mark.parametrize("fits", [1, 2, 3])
+def test_closed_watchers_put_back_after_each_fit_let_a_sigterm_end_the_process(fits):
+    """After two fits in one process, each with its own watcher, the second one chained the first one's closed
+    handler, which acted as the default only while installed itself: a SIGTERM with no handler of the user's was
+    swallowed. A chain of closed watchers acts as the default."""
+    proc = subprocess.run([sys.executable, "-c", CLOSED_CHAIN, str(fits)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr
 
 
 def test_end_time_within_margin_is_a_notice():

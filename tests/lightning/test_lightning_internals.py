@@ -234,31 +234,42 @@ def test_the_torchmetrics_state_a_resume_puts_back_is_the_metrics_whole_state():
 
 
 def test_keep_sigterm_from_loops_lets_the_fit_run_past_a_sigterm_and_keeps_the_handler_chain():
-    """Lightning's loops raise on ``_signal_connector.received_sigterm``, which its SIGTERM handler sets."""
+    """Lightning's loops raise on ``_signal_connector.received_sigterm``, which its SIGTERM handler sets (and, under
+    DDP, broadcasts from inside the handler); the chain it installs is ``_HandlersCompose.signal_handlers``."""
     import os
     import signal
 
-    from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+    from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose, _SignalConnector
 
-    assert "received_sigterm = True" in inspect.getsource(_SignalConnector._sigterm_notifier_fn), HINT
+    source = inspect.getsource(_SignalConnector._sigterm_notifier_fn)
+    assert "received_sigterm = True" in source and "dist.broadcast" in source, HINT
+    assert "self.signal_handlers" in inspect.getsource(_HandlersCompose), HINT
     seen: list[int] = []
+    installed: list[object] = []
 
     class Keep(pl.Callback):
-        def on_train_start(self, trainer, pl_module) -> None:
+        def setup(self, trainer, pl_module, stage) -> None:
             internals.keep_sigterm_from_loops(trainer)
-            installed = signal.getsignal(signal.SIGTERM)
             internals.keep_sigterm_from_loops(trainer)  # a second call wraps nothing more
-            assert signal.getsignal(signal.SIGTERM) is installed
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            installed.append(signal.getsignal(signal.SIGTERM))
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             seen.append(trainer.global_step)
             if trainer.global_step == 6:  # a validation follows: Lightning would raise at its first batch's end
                 os.kill(os.getpid(), signal.SIGTERM)
 
-    previous = signal.signal(signal.SIGTERM, lambda *_: seen.append(-1))  # a handler from before the fit
+    def before(*_: object) -> None:
+        seen.append(-1)
+
+    previous = signal.signal(signal.SIGTERM, before)  # a handler from before the fit
     try:
         _, _, trainer, _ = fit([Keep()], max_steps=9, enable_checkpointing=False)
+        assert signal.getsignal(signal.SIGTERM) is before  # Lightning's teardown put it back
     finally:
         signal.signal(signal.SIGTERM, previous)
-    assert seen[-1] == 9 and -1 in seen, seen  # the fit went on; the handler from before still ran
+    assert seen[-1] == 9 and seen.count(-1) == 1, seen  # the fit went on; the handler from before ran once
     assert not trainer.received_sigterm
+    assert not isinstance(installed[0], _HandlersCompose) and installed[0] is not before, installed
+    assert "register_signal_handlers" not in trainer._signal_connector.__dict__  # release_resume (Net.teardown)

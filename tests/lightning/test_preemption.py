@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -45,7 +48,7 @@ def ddp_reference(job, tmp_path_factory):
 @pytest.mark.parametrize("sig", ["SIGUSR1", "SIGTERM"])
 def test_ddp_signal_to_rank_0_stops_both_ranks_at_one_step(job, tmp_path, ddp_reference, sig):
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
-    job.run(ckpt, out, *DDP, "--signal-in-step", 0, "--signal", sig)  # Lightning forwards a SIGTERM to rank 1
+    job.run(ckpt, out, *DDP, "--signal-in-step", 0, "--signal", sig)  # rank 0 alone: the ranks agree
     assert [(e["step"], e["reason"]) for e in preempted_events(ckpt)] == [(1, f"{sig} on rank 0")]
     job.run(ckpt, out, *DDP)
     assert [r["resumed_from"] for r in read_runs(out)] == [None, None, 1, 1]
@@ -79,3 +82,42 @@ def test_sigterm_at_a_batch_a_validation_follows_or_during_the_validation_saves_
     assert [r["resumed_from"] for r in read_runs(out)] == [None, 7]
     assert_same(torch.load(single_reference, weights_only=False),
                 torch.load(os.path.join(out, "final.pt"), weights_only=False))
+
+
+@pytest.mark.parametrize("how", ["rank 1 alone", "the group, twice"])
+def test_ddp_sigterm_to_any_rank_or_repeated_saves_the_next_step_a_resume_can_start_after(
+        job, tmp_path, ddp_reference, how):
+    """Lightning's SIGTERM handler broadcasts rank 0's flag inside the signal handler, a collective its loops match
+    once a batch: a SIGTERM to rank 1 alone, or a second one to every rank while they are apart, desynchronised
+    the ranks' collectives (gloo's size mismatch, a hang). The SIGTERM is ours under DDP too: every rank agrees at
+    the next batch a resume can start after (validation follows step 3), saves it and exits 0."""
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    sender = ("--signal-rank", 1) if how == "rank 1 alone" else ("--signal-group", "--signal-times", 2)
+    job.run(ckpt, out, *DDP, "--signal-in-step", 2, "--signal", "SIGTERM", *sender)
+    rank = 1 if how == "rank 1 alone" else 0
+    assert [(e["step"], e["reason"]) for e in preempted_events(ckpt)] == [(4, f"SIGTERM on rank {rank}")]
+    assert not os.path.exists(os.path.join(out, "final.pt"))
+    job.run(ckpt, out, *DDP)
+    assert [r["resumed_from"] for r in read_runs(out)] == [None, None, 4, 4]
+    assert_same(torch.load(ddp_reference, weights_only=False),
+                torch.load(os.path.join(out, "final.pt"), weights_only=False))
+
+
+TWO_FITS = """
+import os, signal, sys, time
+from lightning_ft import FaultTolerantCheckpoint
+from lightning_ft.testing import fit
+for run in ("a", "b"):
+    fit([FaultTolerantCheckpoint(os.path.join(sys.argv[1], run), interval=4)], max_steps=5)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(5)
+print("the SIGTERM was swallowed")
+"""
+
+
+def test_a_sigterm_after_two_fits_in_one_process_ends_it(tmp_path):
+    """Each fit's callback watches SIGTERM and Lightning puts its watcher back at the fit's end; the second chained
+    the first, closed: a SIGTERM after both, with no handler of the user's, was swallowed."""
+    proc = subprocess.run([sys.executable, "-c", TWO_FITS, str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr

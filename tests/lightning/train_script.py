@@ -8,7 +8,9 @@ data but not the manifest). The kill is a SIGKILL of the whole process group: ev
 as on a lost node. Run it with ``start_new_session=True``. ``--sigterm-at STEP`` sends SIGTERM instead
 (a preemption notice: FaultTolerantCheckpoint saves the next batch and the job exits); ``--signal-in-step STEP``
 sends ``--signal`` to rank 0 inside a training step (FaultTolerantCheckpoint makes the final save), and
-``--signal-in-validation STEP`` inside the first validation step after step STEP. With
+``--signal-in-validation STEP`` inside the first validation step after step STEP; ``--signal-rank R`` sends it
+from rank R to itself instead, ``--signal-group`` to every process of the job (as Slurm or a scheduler does),
+``--signal-times N`` N times, 0.2 s apart. With
 ``--devices 2`` Lightning's DDP launcher starts rank 1 by running this script again (hence the ``__main__`` guard).
 
 ``--kill-after-commit`` makes a ``batch_end`` kill wait for the save in flight to commit first (the
@@ -29,6 +31,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -92,6 +95,9 @@ def main() -> None:
     p.add_argument("--signal-in-validation", type=int, default=None,
                    help="rank 0 sends itself --signal inside the first validation step after this global step")
     p.add_argument("--signal", default="SIGUSR1")
+    p.add_argument("--signal-rank", type=int, default=0, help="the rank that sends --signal-in-step's signal")
+    p.add_argument("--signal-group", action="store_true", help="send it to every process of the job")
+    p.add_argument("--signal-times", type=int, default=1, help="send it this many times, 0.2 s apart")
     p.add_argument("--user-sigterm-marker", default=None, help="install a SIGTERM handler of the user's that writes this")
     p.add_argument("--save-on-exception", action="store_true")
     p.add_argument("--storage-options", default="{}", help="JSON")
@@ -124,8 +130,13 @@ def main() -> None:
         model.kill = term
     if args.signal_in_step is not None:
         def notice(tr: pl.Trainer) -> None:
-            if tr.global_step == args.signal_in_step and tr.is_global_zero:
-                os.kill(os.getpid(), signal.Signals[args.signal])
+            if tr.global_step == args.signal_in_step and tr.global_rank == args.signal_rank:
+                for i in range(args.signal_times):
+                    time.sleep(0.2 if i else 0)
+                    if args.signal_group:
+                        os.killpg(os.getpgid(0), signal.Signals[args.signal])
+                    else:
+                        os.kill(os.getpid(), signal.Signals[args.signal])
         model.in_step = notice
     if args.signal_in_validation is not None:
         def notice_in_validation(tr: pl.Trainer) -> None:
