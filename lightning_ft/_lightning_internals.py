@@ -23,7 +23,7 @@ Lightning offers no public way to do these things a fault-tolerant callback need
 8. keep a SIGTERM from ending the fit at the end of a batch a resume cannot start after (or of a validation
    batch), and from desynchronising DDP ranks: Lightning's handler sets ``_signal_connector.received_sigterm``,
    which its loops raise on, and broadcasts inside the signal handler; the chain it installs
-   (``register_signal_handlers``, ``_HandlersCompose.signal_handlers``) is put in place without it.
+   (``register_signal_handlers``) takes ``_signal_connector._sigterm_notifier_fn``, which is replaced.
 
 Each use is a small function here. ``tests/lightning/test_lightning_internals.py`` exercises every one
 of them against the installed Lightning and fails, naming this module, when a release changes one.
@@ -38,9 +38,7 @@ from __future__ import annotations
 
 import functools
 import re
-import signal
 import sys
-import threading
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -113,7 +111,7 @@ def release_resume(trainer: pl.Trainer) -> None:
     trainer._checkpoint_connector.__dict__.pop("resume_start", None)
     trainer.fit_loop.__dict__.pop("_load_combined_loader_states", None)
     trainer._logger_connector.__dict__.pop("on_batch_end", None)
-    trainer._signal_connector.__dict__.pop("register_signal_handlers", None)
+    trainer._signal_connector.__dict__.pop("_sigterm_notifier_fn", None)
 
 
 def after_module_batch_end(trainer: pl.Trainer, fn: Callable[[], None]) -> None:
@@ -139,47 +137,20 @@ def keep_sigterm_from_loops(trainer: pl.Trainer) -> None:
     """Leave Lightning's own SIGTERM handler out of the chain it installs; the ones it chains still run.
 
     Lightning installs its handler when ``fit`` starts its stage (``_signal_connector.register_signal_handlers``),
-    chaining the handlers found in place. Its own sets ``received_sigterm``, on which its loops raise
-    ``SIGTERMException`` at the end of the batch, or of the validation batch, the signal came in: where no resume
-    can start (a batch a validation follows, the last of an epoch, a validation) that exit saved nothing newer than
-    the last committed step. Under DDP it also broadcasts rank 0's flag inside the signal handler, a collective
-    its loops match once a batch: a SIGTERM to one rank only, or a second one, desynchronised the ranks' collectives
-    (gloo's size mismatch, a hang). Without it, the callback, which watches SIGTERM itself, agrees with every rank at
-    the next batch a resume can start after, saves there and exits. Call before the fit starts its stage (``setup``;
-    a second call does nothing); undone by :func:`release_resume`, and Lightning's teardown puts the handlers back.
+    chaining the handlers found in place. Its own (``_sigterm_notifier_fn``) sets ``received_sigterm``, on which its
+    loops raise ``SIGTERMException`` at the end of the batch, or of the validation batch, the signal came in: where
+    no resume can start (a batch a validation follows, the last of an epoch, a validation) that exit saved nothing
+    newer than the last committed step. Under DDP it also broadcasts rank 0's flag inside the signal handler, a
+    collective its loops match once a batch: a SIGTERM to one rank only, or a second one, desynchronised the ranks'
+    collectives (gloo's size mismatch, a hang). In its place the chain gets a handler that does nothing; the
+    callback, which watches SIGTERM itself, agrees with every rank at the next batch a resume can start after, saves
+    there and exits. Call before the fit starts its stage (``setup``); undone by :func:`release_resume`.
     """
-    connector = trainer._signal_connector
-    if "register_signal_handlers" in connector.__dict__:
-        return
-    register = connector.register_signal_handlers
-
-    def register_signal_handlers() -> None:
-        blocked = threading.current_thread() is threading.main_thread()
-        if blocked:  # no SIGTERM handled between Lightning's install and the change: it comes once ours is in
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-        try:
-            register()
-            _leave_out_sigterm_notifier(connector)
-        finally:
-            if blocked:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-
-    connector.register_signal_handlers = register_signal_handlers
+    trainer._signal_connector._sigterm_notifier_fn = _left_out
 
 
-def _leave_out_sigterm_notifier(connector: Any) -> None:
-    """Install Lightning's SIGTERM chain (``_HandlersCompose.signal_handlers``) less ``_sigterm_notifier_fn``."""
-    installed = signal.getsignal(signal.SIGTERM)
-    handlers = getattr(installed, "signal_handlers", None)
-    if not isinstance(handlers, list) or connector._sigterm_notifier_fn not in handlers:
-        return  # not Lightning's chain (another thread's fit, or a handler installed over it)
-    rest = [h for h in handlers if h != connector._sigterm_notifier_fn and callable(h)]
-
-    def handler(signum: int, frame: Any) -> None:
-        for h in rest:
-            h(signum, frame)
-
-    signal.signal(signal.SIGTERM, handler)
+def _left_out(signum: int, frame: Any) -> None:
+    """Lightning's SIGTERM handler's place in its chain (see :func:`keep_sigterm_from_loops`)."""
 
 
 def allow_without_lightning_checkpointing(callback_type: type) -> None:
