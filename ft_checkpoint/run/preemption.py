@@ -61,7 +61,7 @@ class PreemptionWatcher:
                         ", ".join(s.name for s in sigs))
             return
         for sig in sigs:
-            self._previous[sig] = signal.signal(sig, self._handle)
+            self._previous[sig] = _past_closed_watchers(sig, signal.signal(sig, self._handle))
 
     @property
     def signals(self) -> list[str]:
@@ -99,3 +99,13 @@ class PreemptionWatcher:
         for sig, previous in self._previous.items():
             if signal.getsignal(sig) == self._handle and threading.current_thread() is threading.main_thread():
                 signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+
+
+def _past_closed_watchers(sig: signal.Signals, previous: Any) -> Any:
+    """What a closed watcher ``previous`` passes ``sig`` on to, past any number of them: a process that fits again
+    and again chains only the handler from before the first (one link per fit overflowed the stack at ~1000)."""
+    older = getattr(previous, "__self__", None)
+    while isinstance(older, PreemptionWatcher) and older._closed:
+        previous = older._previous.get(sig, signal.SIG_DFL)
+        older = getattr(previous, "__self__", None)
+    return previous
