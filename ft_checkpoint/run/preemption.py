@@ -54,6 +54,7 @@ class PreemptionWatcher:
         self.end_time = end_time
         self.margin = margin
         self._closed = False
+        self._exiting = False
         self._previous: dict[signal.Signals, Any] = {}
         sigs = [parse_signal(s) for s in signals]
         if sigs and threading.current_thread() is not threading.main_thread():
@@ -77,10 +78,10 @@ class PreemptionWatcher:
             installed = signal.getsignal(sig) == self._handle
         older = getattr(previous, "__self__", None)
         if isinstance(older, PreemptionWatcher):  # a watcher from before (an earlier fit's): closed ones pass it on
-            older._handle(signum, frame, installed=installed and self._closed)
+            older._handle(signum, frame, installed=installed and self._closed and not self._exiting)
         elif callable(previous):
             previous(signum, frame)
-        elif self._closed and installed and previous == signal.SIG_DFL:
+        elif self._closed and installed and previous == signal.SIG_DFL and not self._exiting:
             # closed, yet put back as the handler (Lightning restores the handlers it found), alone or chained only
             # by closed watchers (two fits in one process): act as the default
             signal.signal(sig, signal.SIG_DFL)
@@ -93,9 +94,17 @@ class PreemptionWatcher:
                 self.requested, self.reason = True, "job end time"
         return self.requested
 
-    def close(self) -> None:
-        """Give the signals back to the handlers that were there before (where ours is still installed)."""
+    def close(self, *, exiting: bool = False) -> None:
+        """Give the signals back to the handlers that were there before (where ours is still installed).
+
+        ``exiting``: the process is ending for this watcher's notice (``Preempted``). Ours then stays and takes no
+        default action (the handlers it chains still run): a second SIGTERM while the process exits would end it
+        by the signal, not with the preemption's exit code.
+        """
         self._closed = True
+        self._exiting = self._exiting or exiting
+        if self._exiting:
+            return
         for sig, previous in self._previous.items():
             if signal.getsignal(sig) == self._handle and threading.current_thread() is threading.main_thread():
                 signal.signal(sig, previous if previous is not None else signal.SIG_DFL)

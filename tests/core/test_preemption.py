@@ -118,6 +118,26 @@ def test_closed_watchers_put_back_after_each_fit_let_a_sigterm_end_the_process(f
     assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr
 
 
+SECOND_NOTICE = """
+import atexit, os, signal, sys, time
+import torch
+from ft_checkpoint import CheckpointManager
+manager = CheckpointManager(sys.argv[1], interval=100)
+atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(0.5)))  # a second notice while exiting
+os.kill(os.getpid(), signal.SIGTERM)
+manager.maybe_save(1, {"w": torch.ones(4)})
+"""
+
+
+def test_a_second_sigterm_while_a_preempted_process_exits_keeps_its_exit_code(tmp_path):
+    """The preemption's exit is under way (``Preempted``, step 1 committed): the watcher, closed, acted as the
+    default on a second SIGTERM and the process ended by the signal (-15), not with the preemption's code 0."""
+    proc = subprocess.run([sys.executable, "-c", SECOND_NOTICE, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [(e["event"], e.get("step")) for e in read_journal(Storage(str(tmp_path)))][-1] == ("preempted", 1)
+
+
 def test_end_time_within_margin_is_a_notice():
     watcher = PreemptionWatcher([], end_time=time.time() + 600, margin=60)
     assert not watcher.check()
