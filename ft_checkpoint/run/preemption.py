@@ -7,7 +7,8 @@ lock), so the handler here only sets a flag; the manager acts on it at the next 
 A handler installed before ours (the user's, the framework's) still runs: it is chained, not
 replaced. A default action (``SIG_DFL``, which for SIGTERM ends the process) is not chained while
 the watcher is active: that is the point. Once closed, the watcher hands signals back to what was
-there before, default actions included.
+there before, default actions included, unless the process is exiting for its notice (a second
+SIGTERM then does not end it before its exit code is set).
 
 Example:
     >>> import os, signal
