@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -95,14 +96,26 @@ class PreemptionWatcher:
                 self.requested, self.reason = True, "job end time"
         return self.requested
 
+    def _ignore_at_exit(self) -> None:
+        """Ignore the signals still handled by a watcher (``close(exiting=True)``: the process exits for a notice)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in self._previous:
+            if isinstance(getattr(signal.getsignal(sig), "__self__", None), PreemptionWatcher):
+                signal.signal(sig, signal.SIG_IGN)
+
     def close(self, *, exiting: bool = False) -> None:
         """Give the signals back to the handlers that were there before (where ours is still installed).
 
         ``exiting``: the process is ending for this watcher's notice (``Preempted``). Ours then stays and takes no
         default action (the handlers it chains still run): a second SIGTERM while the process exits would end it
-        by the signal, not with the preemption's exit code.
+        by the signal, not with the preemption's exit code. At the interpreter's exit, the signals this watcher
+        handles are ignored (Python puts the default action back for its handlers as it finalizes, which takes a
+        while with gloo's threads).
         """
         self._closed = True
+        if exiting and not self._exiting:
+            atexit.register(self._ignore_at_exit)
         self._exiting = self._exiting or exiting
         if self._exiting:
             return
