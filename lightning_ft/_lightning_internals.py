@@ -107,7 +107,7 @@ def intercept_resume(trainer: pl.Trainer, load: Callable[[Any], dict[str, Any] |
 
 def release_resume(trainer: pl.Trainer) -> None:
     """Undo :func:`intercept_resume` if the fit ended before restoring, :func:`before_first_iterator`,
-    :func:`after_module_batch_end` and :func:`keep_sigterm_from_loops`."""
+    :func:`after_module_batch_end` and :func:`leave_out_sigterm_handler`."""
     trainer._checkpoint_connector.__dict__.pop("resume_start", None)
     trainer.fit_loop.__dict__.pop("_load_combined_loader_states", None)
     trainer._logger_connector.__dict__.pop("on_batch_end", None)
@@ -133,7 +133,7 @@ def after_module_batch_end(trainer: pl.Trainer, fn: Callable[[], None]) -> None:
     connector.on_batch_end = on_batch_end
 
 
-def keep_sigterm_from_loops(trainer: pl.Trainer) -> None:
+def leave_out_sigterm_handler(trainer: pl.Trainer) -> None:
     """Leave Lightning's own SIGTERM handler out of the chain it installs; the ones it chains still run.
 
     Lightning installs its handler when ``fit`` starts its stage (``_signal_connector.register_signal_handlers``),
@@ -150,7 +150,7 @@ def keep_sigterm_from_loops(trainer: pl.Trainer) -> None:
 
 
 def _left_out(signum: int, frame: Any) -> None:
-    """Lightning's SIGTERM handler's place in its chain (see :func:`keep_sigterm_from_loops`)."""
+    """Lightning's SIGTERM handler's place in its chain (see :func:`leave_out_sigterm_handler`)."""
 
 
 def allow_without_lightning_checkpointing(callback_type: type) -> None:

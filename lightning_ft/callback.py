@@ -251,7 +251,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         internals.before_first_iterator(trainer, lambda: self._capture_epoch_start(trainer))
         internals.after_module_batch_end(trainer, lambda: self._after_batch(trainer))
         if "SIGTERM" in self.manager.watcher.signals:
-            internals.keep_sigterm_from_loops(trainer)  # the watcher's notice ends the fit, not Lightning's handler
+            internals.leave_out_sigterm_handler(trainer)  # the watcher's notice ends the fit, not Lightning's handler
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # manual optimization: several optimizers, stepped at their own rates

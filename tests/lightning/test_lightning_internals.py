@@ -233,7 +233,7 @@ def test_the_torchmetrics_state_a_resume_puts_back_is_the_metrics_whole_state():
     assert [t.tolist() for t in fresh["cat"].value] == [[1.0], [2.0], [6.0]], "the list state's parts as they were"
 
 
-def test_keep_sigterm_from_loops_lets_the_fit_run_past_a_sigterm_and_keeps_the_handler_chain():
+def test_leave_out_sigterm_handler_lets_the_fit_run_past_a_sigterm_and_keeps_the_handler_chain():
     """Lightning's loops raise on ``_signal_connector.received_sigterm``, which its SIGTERM handler sets (and, under
     DDP, broadcasts from inside the handler); the chain it installs takes it from ``_sigterm_notifier_fn``."""
     import os
@@ -249,7 +249,7 @@ def test_keep_sigterm_from_loops_lets_the_fit_run_past_a_sigterm_and_keeps_the_h
 
     class Keep(pl.Callback):
         def setup(self, trainer, pl_module, stage) -> None:
-            internals.keep_sigterm_from_loops(trainer)
+            internals.leave_out_sigterm_handler(trainer)
 
         def on_train_start(self, trainer, pl_module) -> None:
             installed.append(signal.getsignal(signal.SIGTERM))
