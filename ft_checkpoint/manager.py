@@ -350,7 +350,6 @@ class CheckpointManager:
         if self.rank == 0:
             log.warning("preempted (%s): step %s is committed in %s; exiting%s", reason, step, self.storage.url,
                         f", Slurm job {slurm.job_id} requeued" if slurm is not None and requeued else "")
-        self.watcher.close(exiting=True)  # a second notice does not end the process before its exit code is set
         self.close(clean=False)
         if slurm is not None and requeued:
             requeue(slurm.job_id)

@@ -7,8 +7,7 @@ lock), so the handler here only sets a flag; the manager acts on it at the next 
 A handler installed before ours (the user's, the framework's) still runs: it is chained, not
 replaced. A default action (``SIG_DFL``, which for SIGTERM ends the process) is not chained while
 the watcher is active: that is the point. Once closed, the watcher hands signals back to what was
-there before, default actions included, unless the process is exiting for its notice (a second
-SIGTERM then does not end it before its exit code is set).
+there before, default actions included.
 
 Example:
     >>> import os, signal
@@ -21,7 +20,6 @@ Example:
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import signal
@@ -56,7 +54,6 @@ class PreemptionWatcher:
         self.end_time = end_time
         self.margin = margin
         self._closed = False
-        self._exiting = False
         self._previous: dict[signal.Signals, Any] = {}
         sigs = [parse_signal(s) for s in signals]
         if sigs and threading.current_thread() is not threading.main_thread():
@@ -80,10 +77,10 @@ class PreemptionWatcher:
             installed = signal.getsignal(sig) == self._handle
         older = getattr(previous, "__self__", None)
         if isinstance(older, PreemptionWatcher):  # a watcher from before (an earlier fit's): closed ones pass it on
-            older._handle(signum, frame, installed=installed and self._closed and not self._exiting)
+            older._handle(signum, frame, installed=installed and self._closed)
         elif callable(previous):
             previous(signum, frame)
-        elif self._closed and installed and previous == signal.SIG_DFL and not self._exiting:
+        elif self._closed and installed and previous == signal.SIG_DFL:
             # closed, yet put back as the handler (Lightning restores the handlers it found), alone or chained only
             # by closed watchers (two fits in one process): act as the default
             signal.signal(sig, signal.SIG_DFL)
@@ -96,29 +93,9 @@ class PreemptionWatcher:
                 self.requested, self.reason = True, "job end time"
         return self.requested
 
-    def _ignore_at_exit(self) -> None:
-        """Ignore the signals still handled by a watcher (``close(exiting=True)``: the process exits for a notice)."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in self._previous:
-            if isinstance(getattr(signal.getsignal(sig), "__self__", None), PreemptionWatcher):
-                signal.signal(sig, signal.SIG_IGN)
-
-    def close(self, *, exiting: bool = False) -> None:
-        """Give the signals back to the handlers that were there before (where ours is still installed).
-
-        ``exiting``: the process is ending for this watcher's notice (``Preempted``). Ours then stays and takes no
-        default action (the handlers it chains still run): a second SIGTERM while the process exits would end it
-        by the signal, not with the preemption's exit code. At the interpreter's exit, the signals this watcher
-        handles are ignored (Python puts the default action back for its handlers as it finalizes, which takes a
-        while with gloo's threads).
-        """
+    def close(self) -> None:
+        """Give the signals back to the handlers that were there before (where ours is still installed)."""
         self._closed = True
-        if exiting and not self._exiting:
-            atexit.register(self._ignore_at_exit)
-        self._exiting = self._exiting or exiting
-        if self._exiting:
-            return
         for sig, previous in self._previous.items():
             if signal.getsignal(sig) == self._handle and threading.current_thread() is threading.main_thread():
                 signal.signal(sig, previous if previous is not None else signal.SIG_DFL)

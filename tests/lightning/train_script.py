@@ -10,8 +10,7 @@ as on a lost node. Run it with ``start_new_session=True``. ``--sigterm-at STEP``
 sends ``--signal`` to rank 0 inside a training step (FaultTolerantCheckpoint makes the final save), and
 ``--signal-in-validation STEP`` inside the first validation step after step STEP; ``--signal-rank R`` sends it
 from rank R to itself instead, ``--signal-group`` to every process of the job (as Slurm or a scheduler does),
-``--signal-times N`` N times, 0.2 s apart; ``--sigterm-at-exit`` makes every rank send itself SIGTERM again while
-its interpreter exits. With
+``--signal-times N`` N times, 0.2 s apart. With
 ``--devices 2`` Lightning's DDP launcher starts rank 1 by running this script again (hence the ``__main__`` guard).
 
 ``--kill-after-commit`` makes a ``batch_end`` kill wait for the save in flight to commit first (the
@@ -27,7 +26,6 @@ the samples' indices; ``x``: a hash of the input tensor, augmentation included).
 from __future__ import annotations
 
 import argparse
-import atexit
 import hashlib
 import json
 import os
@@ -100,7 +98,6 @@ def main() -> None:
     p.add_argument("--signal-rank", type=int, default=0, help="the rank that sends --signal-in-step's signal")
     p.add_argument("--signal-group", action="store_true", help="send it to every process of the job")
     p.add_argument("--signal-times", type=int, default=1, help="send it this many times, 0.2 s apart")
-    p.add_argument("--sigterm-at-exit", action="store_true", help="every rank sends itself SIGTERM while exiting")
     p.add_argument("--user-sigterm-marker", default=None, help="install a SIGTERM handler of the user's that writes this")
     p.add_argument("--save-on-exception", action="store_true")
     p.add_argument("--storage-options", default="{}", help="JSON")
@@ -108,8 +105,6 @@ def main() -> None:
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
-    if args.sigterm_at_exit:
-        atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(0.5)))
     if args.user_sigterm_marker:
         signal.signal(signal.SIGTERM, lambda *_: open(args.user_sigterm_marker, "a").write("ran\n"))
     pl.seed_everything(args.seed, verbose=False)
