@@ -7,8 +7,7 @@ lock), so the handler here only sets a flag; the manager acts on it at the next 
 A handler installed before ours (the user's, the framework's) still runs: it is chained, not
 replaced. A default action (``SIG_DFL``, which for SIGTERM ends the process) is not chained while
 the watcher is active: that is the point. Once closed, the watcher hands signals back to what was
-there before, default actions included; so does a process forked from the watching one (a DataLoader
-worker), where nothing acts on the flag.
+there before, default actions included.
 
 Example:
     >>> import os, signal
@@ -55,7 +54,6 @@ class PreemptionWatcher:
         self.end_time = end_time
         self.margin = margin
         self._closed = False
-        self._pid = os.getpid()  # a process forked from this one (a DataLoader worker) is not watched
         self._previous: dict[signal.Signals, Any] = {}
         sigs = [parse_signal(s) for s in signals]
         if sigs and threading.current_thread() is not threading.main_thread():
@@ -73,8 +71,6 @@ class PreemptionWatcher:
     def _handle(self, signum: int, frame: FrameType | None, *, installed: bool | None = None) -> None:
         sig = signal.Signals(signum)
         previous = self._previous.get(sig, signal.SIG_DFL)
-        if os.getpid() != self._pid:  # inherited by a fork: nothing there acts on a flag, so the default acts
-            installed = self._closed = True
         if not self._closed and not self.requested:
             self.requested, self.reason = True, sig.name
         if installed is None:

@@ -140,26 +140,6 @@ def test_a_second_sigterm_while_a_preempted_process_exits_ends_it_and_loses_noth
         ("commit", 1), ("preempted", 1)]
 
 
-FORKED = """
-import multiprocessing, time
-from ft_checkpoint.run.preemption import PreemptionWatcher
-watcher = PreemptionWatcher(["SIGTERM", "SIGUSR1"])
-child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,))  # as a DataLoader worker is
-child.start()
-time.sleep(0.5)
-child.terminate()  # SIGTERM
-child.join(10)
-print(child.exitcode, watcher.requested)
-"""
-
-
-def test_a_process_forked_while_watching_is_ended_by_sigterm():
-    """A child forked while the watcher is active inherits its handler; nothing there acts on the flag, so a
-    SIGTERM (``Process.terminate()``, DataLoader's shutdown of a worker) left it running."""
-    proc = subprocess.run([sys.executable, "-c", FORKED], capture_output=True, text=True, timeout=120)
-    assert proc.stdout.split() == [str(-signal.SIGTERM), "False"], proc.stdout + proc.stderr
-
-
 def test_end_time_within_margin_is_a_notice():
     watcher = PreemptionWatcher([], end_time=time.time() + 600, margin=60)
     assert not watcher.check()
