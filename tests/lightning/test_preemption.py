@@ -124,3 +124,15 @@ def test_a_sigterm_after_two_fits_in_one_process_ends_it(tmp_path):
     proc = subprocess.run([sys.executable, "-c", TWO_FITS, str(tmp_path)], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr
+
+
+def test_a_sigterm_to_every_process_with_dataloader_workers_saves_the_next_step(job, tmp_path, single_reference):
+    """README (Slurm): a SIGTERM to every process of the job ends the DataLoader workers too (PyTorch's own handler);
+    at a batch a resume can start after the step is saved all the same, and the resume is exact."""
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    job.run(ckpt, out, "--interval", 4, "--workers", 2, "--signal-in-step", 2, "--signal", "SIGTERM", "--signal-group")
+    assert [(e["step"], e["reason"]) for e in preempted_events(ckpt)] == [(3, "SIGTERM")]
+    job.run(ckpt, out, "--interval", 4, "--workers", 2)
+    assert [r["resumed_from"] for r in read_runs(out)] == [None, 3]
+    assert_same(torch.load(single_reference, weights_only=False),
+                torch.load(os.path.join(out, "final.pt"), weights_only=False))
