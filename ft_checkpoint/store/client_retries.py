@@ -15,9 +15,19 @@ retry window, then reported, as on S3. Silence is measured, not the whole reques
 the request is sent and restarts it at every byte received): a large upload or download on a slow link is not cut. A
 user's own ``requests_timeout`` (a number: a limit on the whole request; or an ``aiohttp.ClientTimeout``) is kept.
 
+An S3 write must end too, and botocore's read timeout alone does not see to it: botocore sends every upload with
+``Expect: 100-continue``, and aiohttp waits for the server's ``100 Continue`` with no timeout, then starts its read
+timeout only once the whole body is sent (a server that stopped reading it leaves the upload waiting for room in
+the socket, with no timeout either). A hung S3 server (SIGSTOP) kept a save, and the training behind it, waiting
+for as long as it hung. So the header is left out (the body goes at once; the 15 s read timeout starts after it),
+and each connection gets ``TCP_USER_TIMEOUT`` (Linux): bytes sent and not acknowledged for :data:`S3_SILENCE_TIMEOUT`
+seconds, a stalled upload included, end the connection, an error retried like any other. A user's own
+``connector_args`` are kept.
+
 Example:
-    >>> single_attempt_options("s3", {"key": "k"})
-    {'key': 'k', 'config_kwargs': {'retries': {'total_max_attempts': 1}}}
+    >>> options = single_attempt_options("s3", {"key": "k"})
+    >>> options["config_kwargs"]["retries"], options["config_kwargs"]["connector_args"]["socket_factory"].__name__
+    ({'total_max_attempts': 1}, 'silence_limited_socket')
     >>> t = single_attempt_options("gs", {"token": "anon"})["requests_timeout"]
     >>> t.sock_connect, t.sock_read, t.total
     (5.0, 15.0, None)
@@ -28,6 +38,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import socket
 import types
 from typing import Any
 
@@ -38,6 +49,8 @@ GCS_CONNECT_TIMEOUT = 5.0
 """Seconds a GCS request may take to connect (s3fs's ``connect_timeout``, which every S3 request gets)."""
 GCS_READ_TIMEOUT = 15.0
 """Seconds a GCS request may wait for the server's next byte (s3fs's ``read_timeout``)."""
+S3_SILENCE_TIMEOUT = 15.0
+"""Seconds bytes an S3 connection sent may stay unacknowledged before it is ended (``TCP_USER_TIMEOUT``)."""
 
 
 def single_attempt_options(protocol: str, storage_options: dict[str, Any]) -> dict[str, Any]:
@@ -57,7 +70,25 @@ def single_attempt_options(protocol: str, storage_options: dict[str, Any]) -> di
         return storage_options
     config = dict(storage_options.get("config_kwargs") or {})
     config.setdefault("retries", {"total_max_attempts": 1})
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        config.setdefault("connector_args", {"socket_factory": silence_limited_socket})
     return {**storage_options, "config_kwargs": config}
+
+
+def silence_limited_socket(addr_info: Any) -> socket.socket:
+    """aiohttp's socket factory for S3 connections: a socket whose unacknowledged bytes end it after
+    :data:`S3_SILENCE_TIMEOUT` seconds (``TCP_USER_TIMEOUT``, Linux only: see the module's docstring).
+
+    Example:
+        >>> s = silence_limited_socket((socket.AF_INET, socket.SOCK_STREAM, 0, "", ("127.0.0.1", 0)))
+        >>> s.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
+        15000
+        >>> s.close()
+    """
+    family, kind, proto = addr_info[:3]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(S3_SILENCE_TIMEOUT * 1000))
+    return sock
 
 
 def single_attempt(fs: Any) -> None:
@@ -70,9 +101,26 @@ def single_attempt(fs: Any) -> None:
     """
     if type(fs).__module__.startswith("s3fs"):
         fs.retries = 1
+        _without_expect_continue(fs)
     elif type(fs).__module__.startswith("gcsfs"):
         request = getattr(type(fs)._request, "__wrapped__", None)
         if request is None:
             log.debug("gcsfs %s: its request has no __wrapped__; its own retries stay on", type(fs).__module__)
             return
         fs._request = types.MethodType(request, fs)
+
+
+def _without_expect_continue(fs: Any) -> None:
+    """Have every S3 client ``fs`` makes send uploads without ``Expect: 100-continue`` (see the module's docstring).
+    s3fs makes its client on first use (and again on ``connect(refresh=True)``): the instance's ``set_session``
+    removes botocore's handler that adds the header from each client it returns."""
+    from botocore.handlers import add_expect_header
+
+    make_client = fs.set_session
+
+    async def set_session(*args: Any, **kwargs: Any) -> Any:
+        client = await make_client(*args, **kwargs)
+        client.meta.events.unregister("before-call.s3", add_expect_header)
+        return client
+
+    fs.set_session = set_session

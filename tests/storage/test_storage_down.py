@@ -13,6 +13,7 @@ import http.server
 import json
 import logging
 import re
+import signal
 import socket
 import threading
 import time
@@ -239,3 +240,51 @@ def test_silent_gcs_endpoint_fails_within_the_retry_window(monkeypatch):
                      r"Timeout on reading data from socket. HINT: the storage service may be "
                      r"down or unreachable", str(outcome[0])), outcome[0]
     print(outcome[0])
+
+
+@pytest.mark.parametrize("size", [1000, 30 << 20], ids=["small object", "30 MB object"])
+def test_write_to_a_hung_s3_server_fails_within_the_retry_window(monkeypatch, size):
+    """A real S3 server, stopped (SIGSTOP) with a connection open, as a hung server or a network that drops
+    everything. Before: a write waited for as long as it hung (botocore's ``Expect: 100-continue``, for which aiohttp
+    waits with no timeout; and a large body no one reads has no timeout either): a save, and the training behind it,
+    stalled for 300 s without a word. Now each attempt ends (a read timeout of 1 s and a silence of 1 s here,
+    15 s each by default) and the write fails as any outage does."""
+    monkeypatch.setattr(client_retries, "S3_SILENCE_TIMEOUT", 1.0)
+    monkeypatch.setattr(storage_module, "RETRY_WINDOW", 2.0)
+    server = servers.start("s3")
+    try:
+        server.make_bucket("bucket")
+        options = {**server.storage_options, "config_kwargs": {"read_timeout": 1, "connect_timeout": 1}}
+        s = Storage("s3://bucket/run", options, backoff=0.01)
+        s.write_bytes("warm", b"x")  # a kept-alive connection, as in a running job
+        server.proc.send_signal(signal.SIGSTOP)
+        outcome: list[BaseException] = []
+
+        def write() -> None:
+            try:
+                s.write_bytes("obj", bytes(size))
+            except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+                outcome.append(e)
+
+        worker = threading.Thread(target=write, daemon=True)
+        worker.start()
+        worker.join(ANSWER_WITHIN)
+        hung = worker.is_alive()
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+        server.stop()
+    assert not hung, f"a write to a hung S3 server still waits after {ANSWER_WITHIN:.0f} s"
+    assert len(outcome) == 1 and isinstance(outcome[0], StorageError), outcome
+    assert re.search(r"write s3://bucket/run/obj: still failing after \d+ attempts? in .*HINT: the storage service may "
+                     r"be down or unreachable", str(outcome[0])), outcome[0]
+    print(outcome[0])
+
+
+def test_s3_connections_limit_silence_unless_the_user_sets_connector_args():
+    """Each S3 connection ends after 15 s of unacknowledged bytes; a user's own ``connector_args`` are kept."""
+    factory = client_retries.single_attempt_options("s3", {})["config_kwargs"]["connector_args"]["socket_factory"]
+    sock = factory((socket.AF_INET, socket.SOCK_STREAM, 0, "", ("127.0.0.1", 0)))
+    with sock:
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 15000
+    mine = {"config_kwargs": {"connector_args": {"keepalive_timeout": 5}}}
+    assert client_retries.single_attempt_options("s3", mine)["config_kwargs"]["connector_args"] == {"keepalive_timeout": 5}
