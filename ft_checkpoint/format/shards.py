@@ -167,15 +167,19 @@ class ShardWriter(StorageWriter):
         rank: This process's rank (names its files).
         writers: Files (and parallel writers) per rank.
         sinks: Where each file's bytes go (one per writer; default: this process).
+        before_file: Called before each file is written (and may raise to stop the write): the engine's check
+            that the job still holds the directory (see ``SaveListener.check_still_writable``).
 
     On the coordinator, after the save :attr:`files` holds ``{name: FileEntry}`` of every data file and
     of ``metadata.json``, for the manifest.
     """
 
     def __init__(self, storage: Storage, rel: str, *, rank: int, writers: int = 1,
-                 sinks: list[Sink] | None = None, arena: Slots | None = None) -> None:
+                 sinks: list[Sink] | None = None, arena: Slots | None = None,
+                 before_file: Callable[[], None] | None = None) -> None:
         super().__init__()
         self.storage, self.rel, self.rank, self.writers = storage, rel, rank, max(1, writers)
+        self.before_file = before_file
         self.sinks: list[Sink] = sinks or [ThreadSink(storage)]
         self.arena = arena
         self.files: dict[str, layout.FileEntry] = {}
@@ -217,6 +221,8 @@ class ShardWriter(StorageWriter):
         # On local disk, tensors staged in the arena are written as whole page-aligned slots, with O_DIRECT:
         # no copy into the page cache. The zero padding between them is part of the file and of its CRC.
         slots = self.storage.is_local and self.arena is not None and all(self.arena.contains(t) for t in tensors)
+        if self.before_file is not None:
+            self.before_file()
         crcs = sink.write(f"{self.rel}/{name}", tensors, slots=slots)
         results, offset = [], 0
         for item, tensor, crc in zip(items, tensors, crcs):
@@ -232,6 +238,8 @@ class ShardWriter(StorageWriter):
         written = [r.storage_data for per_rank in results for r in per_rank]
         chunks = {r.index: r.storage_data.chunk for per_rank in results for r in per_rank}
         data = tensor_metadata.dump(_tensors(metadata, chunks))
+        if self.before_file is not None:
+            self.before_file()
         self.storage.write_bytes(f"{self.rel}/{layout.METADATA}", data, atomic=False)
         self.files = _file_entries(written)
         self.files[layout.METADATA] = layout.FileEntry(size=len(data), checksum=layout.checksum([data]))

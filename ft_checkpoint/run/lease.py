@@ -203,6 +203,8 @@ class Lease:
         """How a heartbeat makes sure it overwrites only its own lease (see the module docstring)."""
         self._etag: str | None = None
         self._lost: str | None = None
+        self._confirmed = -math.inf
+        """When (``time.monotonic``) this process last saw the lease as this attempt's own."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -231,6 +233,7 @@ class Lease:
         if not self._mine(self._read()):
             raise LeaseError(f"another job took the checkpoint lease {self.url} at the same moment. HINT: give "
                              "each job its own dirpath")
+        self._confirmed = time.monotonic()
         self._thread = threading.Thread(target=self._beat, name="ft-checkpoint-lease", daemon=True)
         self._thread.start()
 
@@ -246,11 +249,43 @@ class Lease:
         if self._thread is None:
             raise LeaseError(f"this job never acquired the checkpoint lease {self.url}. HINT: call acquire() first")
         if self._lost is None:
-            seen = self._read()
-            if not self._mine(seen):
-                self._lose(seen)
+            self._confirm()
         if self._lost is not None:
             raise LeaseError(self._lost)
+
+    @property
+    def recent(self) -> float:
+        """Seconds a sight of the lease as this attempt's own stays good for :meth:`check_recent`: well below the
+        real time another job waits before a takeover (``timeout``, less :data:`CLOCK_SKEW` of clocks apart)."""
+        return min(2 * self.refresh, max(self.timeout - CLOCK_SKEW, 0.0) / 2)
+
+    def vouched(self) -> None:
+        """The job's rank 0 found the lease its own a moment ago (a check every rank waited for): good for
+        :attr:`recent` seconds here too, on any rank."""
+        self._confirmed = time.monotonic()
+
+    def check_recent(self) -> None:
+        """Raise LeaseError unless the lease was seen as this attempt's own within :attr:`recent` seconds; reads
+        ``lease.json`` only when it was not. Any rank calls it before each file a save writes: a process that
+        stood still (SIGSTOP, a VM paused, a storage call hung) for longer than a takeover waits may find
+        another job writing the same step, and must not write over that job's files.
+
+        Raises:
+            LeaseError: the lease is another job's now, or was removed.
+            StorageError: ``lease.json`` could not be read.
+        """
+        if self._lost is None and time.monotonic() - self._confirmed > self.recent:
+            self._confirm()
+        if self._lost is not None:
+            raise LeaseError(self._lost)
+
+    def _confirm(self) -> None:
+        """Read the lease: note the moment it is still ours, or lose it."""
+        seen = self._read()
+        if self._mine(seen):
+            self._confirmed = time.monotonic()
+        else:
+            self._lose(seen)
 
     def release(self) -> None:
         """Stop the heartbeat and remove the lease if it is still ours."""
@@ -346,6 +381,7 @@ class Lease:
         if self._etag is not None:
             try:
                 self._put(if_match=self._etag)
+                self._confirmed = time.monotonic()
                 return True
             except _Changed:
                 pass  # someone else wrote, or our own retried write landed: look
@@ -355,8 +391,10 @@ class Lease:
             return False
         if self._etag is not None and seen.etag is not None:
             self._etag = seen.etag  # the retried write of ours had landed: fence on it
+            self._confirmed = time.monotonic()
             return True
         self._put()
+        self._confirmed = time.monotonic()
         return True
 
     # -- storage -------------------------------------------------------------------------------

@@ -106,6 +106,13 @@ class SaveListener(Protocol):
         """Rank 0, before the step's directory is cleared and again right before the manifest is written;
         raising (e.g. LeaseError: another job took the directory over) leaves the step uncommitted."""
 
+    def writable_confirmed(self) -> None:
+        """Every rank, once rank 0's :meth:`check_writable` before the clear passed."""
+
+    def check_still_writable(self) -> None:
+        """Every rank, before each file of the step it writes; raising (LeaseError) stops the write there. A
+        process that stood still since the check (SIGSTOP, a VM paused) may find another job writing the step."""
+
     def on_commit(self, stats: SaveStats) -> None:
         """After the commit (every rank)."""
 
@@ -347,15 +354,18 @@ class CheckpointEngine:
                     listener: SaveListener | None) -> int | None:
         g, step, rel = self.groups, stats.step, layout.step_dir(stats.step)
         made = self._agree(step, lambda: self._clear(stats, listener) if g.rank == 0 else None)
+        fence = listener.check_still_writable if listener is not None else None
+        if listener is not None:
+            listener.writable_confirmed()
         self.phase("writing", step)
         tensors = staged["tensors"]
         prints = {k: fingerprint(t) for k, t in tensors.items() if type(t).__name__ != "DTensor"}
-        shared = self._agree(step, lambda: (self._write_rank_file(rel, staged["rank_file"]), prints,
-                                            write_own_files(self.storage, rel, staged["files"])), gather=True)
+        shared = self._agree(step, lambda: (self._write_rank_file(rel, staged["rank_file"], fence), prints,
+                                            write_own_files(self.storage, rel, staged["files"], fence)), gather=True)
         _check_replicated([p for _, p, _ in shared])
         own = _unique_files([f for _, _, f in shared])
         writer = shards.ShardWriter(self.storage, rel, rank=g.rank, writers=self.writers, sinks=self._sinks(),
-                                    arena=self._stager.arena)
+                                    arena=self._stager.arena, before_file=fence)
         dcp.save(tensors, storage_writer=writer, process_group=g.writer, no_dist=not g.distributed)
         self.phase("data_written", step)
         lazy = staged.get("lazy")
@@ -435,7 +445,8 @@ class CheckpointEngine:
         """The writer processes' pids (``writer="process"``, once a save started them)."""
         return [p.pid for p in self._processes]
 
-    def _write_rank_file(self, rel: str, data: bytes) -> tuple[str, layout.FileEntry]:
+    def _write_rank_file(self, rel: str, data: bytes,
+                         fence: Callable[[], None] | None = None) -> tuple[str, layout.FileEntry]:
         try:
             torch.load(io.BytesIO(data), weights_only=True)
         except Exception as e:
@@ -443,6 +454,8 @@ class CheckpointEngine:
                 f"the non-tensor part of the state cannot be loaded safely (weights_only): {e}. HINT: keep "
                 "only tensors, numbers, strings, lists, tuples and dicts in state (convert other objects)") from e
         name = layout.rank_file(self.groups.rank)
+        if fence is not None:
+            fence()
         self.storage.write_bytes(f"{rel}/{name}", data, atomic=False)
         return name, layout.FileEntry(size=len(data), checksum=layout.checksum([data]))
 
@@ -450,13 +463,17 @@ FileWriter = Callable[[Any], None]
 """Writes one file's bytes into the file object it is given (``torch.save(obj, f)``, ``f.write(...)``)."""
 
 
-def write_own_files(storage: Storage, rel: str, files: Mapping[str, FileWriter]) -> dict[str, layout.FileEntry]:
-    """Write a rank's files of its own (see :meth:`CheckpointEngine.save`) into ``rel``: their manifest entries."""
+def write_own_files(storage: Storage, rel: str, files: Mapping[str, FileWriter],
+                    fence: Callable[[], None] | None = None) -> dict[str, layout.FileEntry]:
+    """Write a rank's files of its own (see :meth:`CheckpointEngine.save`) into ``rel``: their manifest entries.
+    ``fence()`` is called before each (see :meth:`SaveListener.check_still_writable`)."""
     out = {}
     for name, produce in files.items():
         if not layout.is_plain_name(name) or _reserved(name):
             raise ConfigError(f"a state's own file may not be named {name!r}: use a plain name that is not "
                               "one of ft-checkpoint's (manifest.json, metadata.json, rank_*.pt, *.distcp)")
+        if fence is not None:
+            fence()
         size, crc = storage.write_stream(f"{rel}/{name}", produce)
         out[name] = layout.FileEntry(size=size, checksum=checksum.format_crc(crc))
     return out

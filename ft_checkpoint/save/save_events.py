@@ -57,6 +57,12 @@ class SaveEvents:
     def check_writable(self, stats: SaveStats) -> None:
         self.lease.check_owned()  # a job that lost the directory to another stops writing there
 
+    def writable_confirmed(self) -> None:
+        self.lease.vouched()
+
+    def check_still_writable(self) -> None:
+        self.lease.check_recent()  # reads lease.json only after a long stand-still (see Lease.check_recent)
+
     def on_commit(self, stats: SaveStats) -> None:
         """On the writer thread, after a commit: journal, log, retention (rank 0)."""
         self.last_committed = stats.step

@@ -408,3 +408,64 @@ def test_a_job_whose_directory_was_taken_over_commits_and_deletes_nothing_more(t
     assert layout.committed_steps(new.storage) == [5], "the old job committed or deleted after losing the lease"
     new.close()
     old.close(clean=False)
+
+
+ZOMBIE_WRITER = """
+import json, os, signal, sys
+sys.path.insert(0, {root!r})
+import torch
+from ft_checkpoint import CheckpointManager
+from ft_checkpoint.run.lease import Lease
+Lease.recent = property(lambda self: 0.5)  # a sight of the lease is good for 0.5 s here (30 s by default)
+def hook(phase, step):
+    if (phase, step) == ("writing", 4):
+        print("STOPPED", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)  # hung with its step directory cleared, before any file is written
+with CheckpointManager({url!r}, interval=2, keep_last=1, storage_options=json.loads({options!r})) as ckpt:
+    ckpt.engine.phase_hook = hook
+    for step in (2, 4):
+        ckpt.maybe_save(step, {{"w": torch.full((1000,), float(step)), "note": "zombie"}})
+    ckpt.wait()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_a_hung_writer_taken_over_never_writes_over_the_step_the_new_owner_committed(kind, request, tmp_path):
+    """A real job hangs (SIGSTOP) in the save of step 4, its step directory cleared; another job takes the
+    directory over, commits its own step 4 and retention deletes step 2; then the hung job wakes. Before: it wrote
+    its rank file, shard and metadata over the new owner's committed step 4, and was refused only at its commit:
+    the newest step no longer verified, and with step 2 deleted a resume started from scratch (the red team's run
+    on S3, GCS and local disk). Now a writer that saw its lease too long ago reads it again before each file, finds
+    it lost and writes nothing more."""
+    import torch
+
+    from ft_checkpoint import CheckpointManager
+    from tests.conftest import _make_backend
+
+    backend = _make_backend(kind, request, tmp_path)
+    url, options = backend.url, backend.storage_options
+    script = ZOMBIE_WRITER.format(root=ROOT, url=url, options=json.dumps(options))
+    env = {**os.environ, **(backend.server.env() if backend.server else {})}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        assert proc.stdout.readline().strip() == "STOPPED"
+        with CheckpointManager(url, interval=2, keep_last=1, force_takeover=True, storage_options=options) as new:
+            state = {"w": torch.zeros(1000), "note": ""}
+            assert new.resume(state) == 2 and state["note"] == "zombie"
+            new.save(4, {"w": torch.full((1000,), -4.0), "note": "new owner"}, block=True)
+            new.wait(retention=True)
+        time.sleep(1.0)  # the hang outlasts the 0.5 s a sight of the lease is good for (a takeover waits 120 s)
+        proc.send_signal(signal.SIGCONT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0 and "LeaseError" in err, err[-2000:]
+    with CheckpointManager(url, interval=2, force_takeover=True, storage_options=options) as again:
+        state = {"w": torch.zeros(1000), "note": ""}
+        assert again.resume(state) == 4, "the new owner's step 4 was written over"
+        assert state["note"] == "new owner" and bool((state["w"] == -4.0).all())
