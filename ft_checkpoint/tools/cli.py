@@ -102,6 +102,33 @@ def positive_number(text: str) -> float:
     return value
 
 
+MAX_WORK = 1000.0
+"""The most work ``simulate`` gives a run, in MTBFs (20 times the default; a ``--tiers`` run of it takes seconds)."""
+MAX_RUNS = 10_000
+"""The most simulated runs per row of ``simulate`` (``--seeds``); ``--early-seeds`` runs, which stop at the 5th
+failure, up to ``MAX_EARLY_RUNS``. Each run takes time: more would make a row take hours."""
+MAX_EARLY_RUNS = 100_000
+
+
+def work_mtbfs(text: str) -> float:
+    """argparse type: the useful work of a simulated run, in MTBFs: a number > 0, at most ``MAX_WORK``."""
+    value = positive_number(text)
+    if value > MAX_WORK:
+        raise argparse.ArgumentTypeError(f"{short(text)}: use a number > 0 and at most {MAX_WORK:g} (MTBFs of work "
+                                         "per run: a run takes longer the more work it has)")
+    return value
+
+
+def simulated_runs(text: str) -> int:
+    """argparse type: a number of simulated runs per row, from 1 to ``MAX_RUNS``."""
+    return positive(text, maximum=MAX_RUNS)
+
+
+def early_runs(text: str) -> int:
+    """argparse type: a number of simulated runs per row that stop at the 5th failure, from 1 to ``MAX_EARLY_RUNS``."""
+    return positive(text, maximum=MAX_EARLY_RUNS)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     with _arithmetic("plan"):
         return _plan(args)
@@ -599,11 +626,13 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--restart", type=duration, default=60.0, help="time from a failure to training again (default 60 s)")
     sim.add_argument("--weibull", type=positive_number, default=None, metavar="SHAPE",
                      help="Weibull failures of this shape (e.g. 0.7: failures come in bursts); default: exponential")
-    sim.add_argument("--seeds", type=positive, default=None, help="simulated runs per row (default 20; --tiers: 10)")
-    sim.add_argument("--early-seeds", type=positive, default=None,
-                     help="simulated runs per row for the columns before the 5th failure (default 3000; --tiers: 500)")
-    sim.add_argument("--work", type=positive_number, default=50.0,
-                     help="useful work per simulated run, in MTBFs (default 50)")
+    sim.add_argument("--seeds", type=simulated_runs, default=None,
+                     help=f"simulated runs per row (default 20; --tiers: 10; at most {MAX_RUNS})")
+    sim.add_argument("--early-seeds", type=early_runs, default=None,
+                     help="simulated runs per row for the columns before the 5th failure (default 3000; --tiers: 500; "
+                          f"at most {MAX_EARLY_RUNS})")
+    sim.add_argument("--work", type=work_mtbfs, default=50.0,
+                     help=f"useful work per simulated run, in MTBFs (default 50, at most {MAX_WORK:g})")
     sim.add_argument("--world-size", type=positive, default=1024,
                      help="GPUs of the simulated job, for the prior failure rate ours starts from (default 1024)")
     sim.add_argument("--json", action="store_true", help="machine-readable output (printed at the end)")
@@ -626,11 +655,11 @@ def step_number(text: str) -> int:
     return int(text)
 
 
-def positive(text: str) -> int:
-    """argparse type: an integer from 1 to 10**12 - 1."""
+def positive(text: str, maximum: int = MAX_STEP) -> int:
+    """argparse type: an integer from 1 to ``maximum`` (default 10**12 - 1)."""
     text = text.strip()
-    if not (text.isascii() and text.isdigit()) or len(text) > 12 or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{short(text)}: use an integer from 1 to {MAX_STEP}")
+    if not (text.isascii() and text.isdigit()) or len(text) > 12 or not 1 <= int(text) <= maximum:
+        raise argparse.ArgumentTypeError(f"{short(text)}: use an integer from 1 to {maximum}")
     return int(text)
 
 

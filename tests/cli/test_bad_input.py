@@ -71,6 +71,16 @@ def test_a_bad_argument_is_one_line_and_exit_code_2(args, tmp_path):
     assert_one_line_error(proc, args)
 
 
+@pytest.mark.parametrize(("args", "bound"), [(("--work", "1e300"), "at most 1000"),
+                                             (("--seeds", "999999999999"), "from 1 to 10000"),
+                                             (("--early-seeds", "999999999999"), "from 1 to 100000")])
+def test_simulate_refuses_more_work_or_runs_than_it_can_finish(args, bound):
+    """``--work 1e300`` (any finite number was taken) and a huge ``--seeds`` ran forever."""
+    proc = cli("simulate", "--mtbf", "1h", "--cost", "1s", *args, timeout=30)
+    assert_one_line_error(proc, args)
+    assert f"argument {args[0]}: " in proc.stderr and bound in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("variables", BAD_ENVIRONMENT, ids=lambda v: " ".join(f"{k}={v[k][:20]}" for k in v))
 def test_a_bad_configuration_is_one_line_and_exit_code_2(variables, tmp_path):
     yaml_list = tmp_path / "list.yaml"
