@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import difflib
@@ -576,6 +577,7 @@ def _from_file() -> dict[str, Any]:
     if len(text) > MAX_CONFIG_FILE:
         raise ConfigError(f"{where}: larger than {MAX_CONFIG_FILE} characters, not a config file")
     try:
+        _refuse_yaml11_numbers(yaml.compose(text, Loader=yaml.SafeLoader), where)
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"{where}: not valid YAML ({e})") from e
@@ -587,3 +589,53 @@ def _from_file() -> dict[str, Any]:
         raise ConfigError(f"{where}: expected a mapping of field: value, got {type(data).__name__}")
     check_names(data, where=f"key in {path}:")
     return data
+
+
+_YAML11_NUMBERS = {"base-60": re.compile(r"[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?"),
+                   "octal": re.compile(r"[-+]?0[0-7_]+")}
+"""Numbers only YAML 1.1 (PyYAML) reads as such: ``10:00`` is 600, ``010`` is 8. YAML 1.2 reads ``10:00`` as a
+string and ``010`` as 10, and so do most people (``07`` means 7 either way)."""
+
+
+def _refuse_yaml11_numbers(root: Any, where: str) -> None:
+    """ConfigError for a plain scalar of the config file that YAML 1.1 reads as a base-60 or octal number (which
+    changes the setting without a word), naming its key and the value as written. Each node is looked at once (an
+    alias is not followed again).
+
+    Example:
+        >>> import yaml
+        >>> try:
+        ...     _refuse_yaml11_numbers(yaml.compose("keep_last: 010", Loader=yaml.SafeLoader), "c.yaml")
+        ... except ConfigError as e:
+        ...     print(e)
+        c.yaml: keep_last: '010' is invalid: YAML reads it as the octal number 8. HINT: write 10 (no leading 0) or '010'
+    """
+    import yaml
+
+    seen, todo = set(), collections.deque([(root, "")])
+    while todo:
+        node, key = todo.popleft()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                name = str(k.value) if isinstance(k, yaml.ScalarNode) else "?"
+                todo.append((v, f"{key}.{name}" if key else name))
+        elif isinstance(node, yaml.SequenceNode):
+            todo.extend((v, key) for v in node.value)
+        elif isinstance(node, yaml.ScalarNode) and node.tag in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float"):
+            _refuse_yaml11_number(node.value, where, key)
+
+
+def _refuse_yaml11_number(text: str, where: str, key: str) -> None:
+    import yaml
+
+    if _YAML11_NUMBERS["base-60"].fullmatch(text):
+        raise ConfigError(f"{where}: {key}: {short(text)} is invalid: YAML reads it as the base-60 number "
+                          f"{yaml.safe_load(text)!r}. HINT: write a duration with its unit, e.g. '10m' or '1h30m' "
+                          f"(or '{text}' in quotes for the text)")
+    if _YAML11_NUMBERS["octal"].fullmatch(text) and (octal := yaml.safe_load(text)) != int(text.replace("_", "")):
+        decimal = re.sub(r"^([-+]?)0+(?=[0-9])", r"\1", text)
+        raise ConfigError(f"{where}: {key}: {short(text)} is invalid: YAML reads it as the octal number {octal!r}. "
+                          f"HINT: write {decimal} (no leading 0) or '{text}'")

@@ -321,6 +321,32 @@ def test_a_hostile_yaml_file_is_a_config_error(text, expected, tmp_path, monkeyp
         CheckpointConfig.from_env()
 
 
+@pytest.mark.parametrize(("text", "read_as", "hint"), [
+    ("interval: 10:00", "the base-60 number 600", "'10m'"),
+    ("interval: 1:30:00", "the base-60 number 5400", "'1h30m'"),
+    ("keep_last: 010", "the octal number 8", "write 10 (no leading 0)"),
+    ("storage_options: {port: 0021}", "the octal number 17", "write 21 (no leading 0)"),
+])
+def test_a_yaml_1_1_base_60_or_octal_number_is_refused_not_read_otherwise_than_written(text, read_as, hint, tmp_path,
+                                                                                         monkeypatch):
+    """``interval: 10:00`` saved every 600 steps and ``keep_last: 010`` kept 8 steps, without a word: YAML 1.1 reads
+    them as base-60 and octal numbers (YAML 1.2, and most people, do not)."""
+    path = tmp_path / "ft.yaml"
+    path.write_text(text + "\n")
+    monkeypatch.setenv(ENV_CONFIG_FILE, str(path))
+    key, value = text.split(": ", 1)
+    if key == "storage_options":
+        key, value = "storage_options.port", "0021"
+    with pytest.raises(ConfigError, match=f"^{ENV_CONFIG_FILE}=.*: {key}: '{value}' is invalid: YAML reads it as "
+                                          f"{read_as}. HINT: .*{re.escape(hint)}"):
+        CheckpointConfig.from_env()
+    path.write_text("interval: '10:00'\nkeep_last: 07\n")  # quoted: a string; 07: 7 either way
+    with pytest.raises(ConfigError, match="^interval='10:00' is invalid: expected an int >= 1"):
+        CheckpointConfig.from_env()
+    path.write_text("keep_last: 07\n")
+    assert CheckpointConfig.from_env().keep_last == 7
+
+
 def test_a_yaml_file_of_bad_bytes_or_a_directory_is_a_config_error(tmp_path, monkeypatch):
     path = tmp_path / "ft.yaml"
     path.write_bytes(b"keep_last: \xff\xfe\n")
