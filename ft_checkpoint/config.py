@@ -364,6 +364,8 @@ def _normalize_interval(field: str, value: Any) -> int | datetime.timedelta | st
             return "adaptive"
         if text.isascii() and text.isdigit():
             return _check_int(field, int(text) if len(text) <= 13 else math.inf, minimum=1)
+    if _finite_number(value) and float(value) <= 0:  # -5, "-5", "-2.5", 0.0
+        _bad(field, value, "a positive interval: an int >= 1 (steps), a timedelta or duration like '30m', or 'adaptive'")
     if _finite_number(value):  # 100.0, "100.0", a YAML 1e3
         plain = format(float(value), "f").rstrip("0").rstrip(".")
         raise ConfigError(f"{field}={short(value)} is invalid: a bare fractional number could mean steps or seconds "

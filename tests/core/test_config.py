@@ -161,6 +161,16 @@ def test_a_bare_fractional_number_for_an_interval_is_refused_not_taken_for_secon
     assert getattr(CheckpointConfig(**{field: hinted}), field) == datetime.timedelta(seconds=float(value))
 
 
+@pytest.mark.parametrize("field", ["interval", "fast_interval"])
+@pytest.mark.parametrize("value", ["-5", " -3 ", "-2.5", -5.0, "0.0"])
+def test_a_negative_or_zero_interval_is_refused_as_not_positive(field, value, monkeypatch):
+    """``FT_CHECKPOINT_INTERVAL=-5`` was refused as "a bare fractional number", with the HINT '-5s', itself invalid."""
+    monkeypatch.setenv(ENV_PREFIX + field.upper(), str(value))
+    with pytest.raises(ConfigError, match=rf"^{field}=.* is invalid: expected a positive interval: an int >= 1") as e:
+        CheckpointConfig.from_env()
+    assert "fractional" not in str(e.value) and "HINT" not in str(e.value)
+
+
 def test_min_interval_cannot_exceed_max_interval():
     with pytest.raises(ConfigError, match="min_interval='2h'.*max_interval='1h'"):
         CheckpointConfig(min_interval="2h", max_interval="1h")
