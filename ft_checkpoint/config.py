@@ -544,17 +544,24 @@ def _from_env() -> dict[str, Any]:
     return out
 
 
+_warned_env: set[str] = set()
+"""The unknown ``FT_CHECKPOINT_*`` variables warned about in this process (a config is built several times)."""
+
+
 def warn_unknown_env(environ: Mapping[str, str]) -> list[str]:
     """Warn about each ``FT_CHECKPOINT_*`` variable that names no setting (a typo would otherwise leave the
-    setting at its default without a word), with the closest name; returns the warnings.
+    setting at its default without a word), with the closest name, once per process; returns the warnings given.
 
     Example:
         >>> warn_unknown_env({"FT_CHECKPOINT_INTERVALL": "10", "FT_CHECKPOINT_KEEP_LAST": "3"})
         ['FT_CHECKPOINT_INTERVALL names no ft-checkpoint setting and is ignored. HINT: did you mean FT_CHECKPOINT_INTERVAL?']
+        >>> warn_unknown_env({"FT_CHECKPOINT_INTERVALL": "10"})  # warned already
+        []
     """
     known = [ENV_PREFIX + name for name in (*(f.upper() for f in FIELDS), *ENV_OTHER)]
     messages = []
-    for name in sorted(n for n in environ if n.startswith(ENV_PREFIX) and n not in known):
+    for name in sorted(n for n in environ if n.startswith(ENV_PREFIX) and n not in known and n not in _warned_env):
+        _warned_env.add(name)
         close = difflib.get_close_matches(name[:100], known, n=1)
         hint = f"did you mean {close[0]}?" if close else f"the settings are {ENV_PREFIX}<FIELD>, of {', '.join(FIELDS)}"
         messages.append(f"{name[:100]} names no ft-checkpoint setting and is ignored. HINT: {hint}")

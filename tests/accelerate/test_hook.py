@@ -206,6 +206,18 @@ def test_says_on_stderr_where_checkpoints_go_and_when_the_first_save_is_due(make
                      r"[\d.]+ min in .*a run that fails sooner has nothing to resume from", err, re.M), err
 
 
+def test_a_misspelt_variable_is_warned_about_once(make_accelerator, clean_env, tmp_path, caplog):
+    """``FT_CHECKPOINT_KEEPLAST=2`` was warned about twice: the plugin and the manager each read the environment."""
+    clean_env.setenv("FT_CHECKPOINT_KEEPLAST", "2")
+    acc = make_accelerator()
+    prepared(acc)
+    with caplog.at_level(logging.WARNING, logger="ft_checkpoint"):
+        FaultTolerantCheckpoint(acc, str(tmp_path / "ckpt"), interval=5).close()
+    warned = [r.getMessage() for r in caplog.records if "names no ft-checkpoint setting" in r.getMessage()]
+    assert warned == ["FT_CHECKPOINT_KEEPLAST names no ft-checkpoint setting and is ignored. HINT: did you mean "
+                      "FT_CHECKPOINT_KEEP_LAST?"], warned
+
+
 def test_manual_accumulation_saves_only_after_optimizer_steps(make_accelerator, clean_env):
     """No ``accelerator.accumulate`` (so ``sync_gradients`` is always True): a global step is a batch whose
     optimizer step ran, and only such a batch may be followed by a save; ``enumerate`` gives the index."""

@@ -91,6 +91,14 @@ def test_a_bad_configuration_is_one_line_and_exit_code_2(variables, tmp_path):
     assert next(iter(variables)).removeprefix("FT_CHECKPOINT_").lower() in proc.stderr.lower()
 
 
+def test_a_misspelt_variable_is_warned_about_once(tmp_path):
+    """``FT_CHECKPOINT_KEEPLAST=2 ft-checkpoint ls DIR`` warned twice: the storage and the signing key each read the
+    configuration."""
+    proc = cli("ls", tmp_path, env={"FT_CHECKPOINT_KEEPLAST": "2"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("FT_CHECKPOINT_KEEPLAST names no ft-checkpoint setting") == 1, proc.stderr
+
+
 @pytest.fixture(scope="module")
 def wrong_types(tmp_path_factory) -> str:
     """A directory with steps 1 and 2; step 2's manifest has ``"step": 2.0``, sizes as strings, ``"time": "noon"``."""
