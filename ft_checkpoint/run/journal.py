@@ -346,7 +346,10 @@ class JournalReader:
         """Valid attempt ids, oldest first, each with its file names (sorted)."""
         if self._names is None:
             self._names = {}
-            for attempt in self.storage.listdir(JOURNAL_DIR):
+            names = self.storage.listdir(JOURNAL_DIR)
+            if names == [JOURNAL_DIR] and self._journal_is_no_directory():
+                return self._names
+            for attempt in names:
                 where = f"{JOURNAL_DIR}/{attempt}"
                 try:
                     if attempt_start_time(attempt) > self.now + CLOCK_SLACK:
@@ -355,6 +358,16 @@ class JournalReader:
                 except (ValueError, StorageError) as e:
                     self._skip(where, e)
         return self._names
+
+    def _journal_is_no_directory(self) -> bool:
+        """Whether ``journal`` is a file (or a FIFO, a link, ...), which a listing gives as the one name ``journal``
+        (as a folder ``journal/journal`` would): skipped with a warning naming it."""
+        entry = self.storage.entries("").get(JOURNAL_DIR)
+        if entry is None or entry.kind == "directory":
+            return False
+        kind = "a file" if entry.kind == "file" else "a link or special file"
+        self._skip(JOURNAL_DIR, ValueError(f"it is not a directory ({kind})"))
+        return True
 
     def events(self) -> list[dict[str, Any]]:
         """Every valid event of every attempt, in order (attempts by start time, events by sequence)."""

@@ -4,6 +4,7 @@ restarts, and attempts whose progress is unknown."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -106,6 +107,17 @@ def test_no_journal(tmp_path):
     assert goodput_report(Storage(str(tmp_path))).goodput is None
     proc = cli("report", str(tmp_path))
     assert proc.returncode == 0 and "no journal" in proc.stdout
+
+
+@pytest.mark.parametrize("kind", ["fifo", "file"])
+def test_report_names_a_journal_that_is_no_directory(tmp_path, kind):
+    """A FIFO (or a file) named ``journal`` was reported as "the unreadable journal entry DIR/journal/journal"."""
+    journal = tmp_path / "journal"
+    os.mkfifo(journal) if kind == "fifo" else journal.write_text("x")
+    proc = cli("report", tmp_path)
+    assert proc.returncode == 0 and "no journal" in proc.stdout, proc.stderr
+    assert f"ft-checkpoint: warning: skipping the unreadable journal entry {journal}: it is not a directory" \
+        in proc.stderr and "journal/journal" not in proc.stderr, proc.stderr
 
 
 def test_report_on_a_garbled_journal_warns_naming_each_file_and_reports_the_rest(tmp_path):
