@@ -379,14 +379,32 @@ def newest_verified(storage: Storage, candidates: Iterable[int], on_bytes: OnByt
     return None
 
 
-def apply_gc(storage: Storage, plan: GcPlan, *, on_deleted: Callable[[int], None] | None = None) -> list[int]:
-    """Delete the steps of ``plan``, each manifest first (a crash halfway leaves garbage, not a bad commit);
-    returns the steps deleted, calling ``on_deleted(1)`` after each. A step directory swapped for a symbolic link
-    since the plan is left alone, and so is everything it points to (see ``layout.delete_step``)."""
-    deleted = []
+def apply_gc(storage: Storage, plan: GcPlan, *,
+             on_deleted: Callable[[int], None] | None = None) -> dict[int, list[str]]:
+    """Delete the steps of ``plan``, each manifest first (a crash halfway leaves garbage, not a bad commit), calling
+    ``on_deleted(1)`` after each; returns the steps whose checkpoint is deleted, each with the URLs of what is left
+    in its directory (subdirectories: never a checkpoint's, gc deletes only files; usually none). A step directory
+    swapped for a symbolic link since the plan is left alone, and so is everything it points to (see
+    ``layout.delete_step``)."""
+    deleted = {}
     for step in plan.delete:
-        if layout.delete_step(storage, step):
-            deleted.append(step)
+        left = [] if layout.delete_step(storage, step) else _left_of_deleted(storage, step)
+        if left is not None:
+            deleted[step] = left
         if on_deleted is not None:
             on_deleted(1)
     return deleted
+
+
+def _left_of_deleted(storage: Storage, step: int) -> list[str] | None:
+    """The URLs of the subdirectories left in the directory of ``step``, which gc emptied of every file (its
+    checkpoint is deleted); None if a file is left (its checkpoint is still there) or the directory is no longer
+    one (a link swapped in: left alone)."""
+    rel = layout.step_dir(step)
+    entry = storage.entries("").get(rel)
+    if entry is not None and entry.kind != "directory":
+        return None
+    left = storage.entries(rel)
+    if any(e.kind != "directory" for e in left.values()):
+        return None
+    return [storage.url_of(f"{rel}/{name}") for name in sorted(left)]

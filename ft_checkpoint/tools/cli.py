@@ -512,10 +512,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
     with Progress("gc: verifying the newest step", newest.bytes if newest else 0) as progress:
         plan = plan_gc(storage, keep_last=args.keep, keep_every_n_steps=args.keep_every, on_bytes=progress.update,
                        signer=signer)
-    deleted = plan.delete
+    deleted, left = plan.delete, []
     if not args.dry_run:
         with Progress("gc: deleting", len(plan.delete), unit="step") as progress:
-            deleted = apply_gc(storage, plan, on_deleted=progress.update)  # a step swapped for a link is left alone
+            done = apply_gc(storage, plan, on_deleted=progress.update)  # a step swapped for a link is left alone
+        deleted, left = list(done), [url for urls in done.values() for url in urls]
     kept = sorted(set(plan.keep) | (set(plan.delete) - set(deleted)))
     verb = "would delete" if args.dry_run else "deleted"
     milestones = f" and every multiple of {args.keep_every}" if args.keep_every else ""
@@ -524,10 +525,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
     lines = [f"{plan.url}: keep the newest {plural(args.keep, 'committed step')}{milestones}{protected}",
              f"{verb}: {', '.join(f'step {s}' for s in deleted) or 'nothing'}",
              f"{'keeps' if args.dry_run else 'kept'}: {', '.join(f'step {s}' for s in kept) or 'nothing'}"]
+    if left:
+        lines.append(f"left in place in deleted steps' directories (folders ft-checkpoint never writes; gc deletes "
+                     f"only files): {', '.join(left)}")
     if plan.unverified:
         lines.append(f"not counted, left as they are (their signature does not verify; a resume with the key sets "
                      f"them aside): {', '.join(f'step {s}' for s in plan.unverified)}")
-    emit(args, {**plan.to_dict(), "delete": deleted, "keep": kept, "dry_run": args.dry_run}, lines)
+    emit(args, {**plan.to_dict(), "delete": deleted, "keep": kept, "left_in_place": left, "dry_run": args.dry_run}, lines)
     return 0
 
 

@@ -225,6 +225,22 @@ def test_gc_dry_run_deletes_nothing_then_gc_keeps_the_newest(copy):
     assert [s["step"] for s in cli_json("ls", copy)["steps"]] == [40]
 
 
+def test_gc_names_a_folder_it_left_in_a_deleted_steps_directory_and_never_calls_that_step_kept(copy):
+    """A folder in a step's directory (a user's notes, say): gc deleted the step's manifest and every file, could not
+    remove the directory, and then reported the step as kept."""
+    twin = shutil.copytree(copy, copy + "-twin")
+    for root in (copy, twin):
+        os.mkdir(os.path.join(root, layout.step_dir(20), "notes"))
+    done = cli_json("gc", copy, "--keep", 1)
+    assert done["delete"] == [20, 30] and done["keep"] == [40]
+    assert done["left_in_place"] == [os.path.join(copy, layout.step_dir(20), "notes")]
+    assert os.listdir(os.path.join(copy, layout.step_dir(20))) == ["notes"]
+    text = cli("gc", twin, "--keep", 1).stdout
+    assert "deleted: step 20, step 30\nkept: step 40\n" in text, text
+    assert f"left in place in deleted steps' directories (folders ft-checkpoint never writes; gc deletes only files): " \
+           f"{os.path.join(twin, layout.step_dir(20), 'notes')}" in text, text
+
+
 def test_gc_never_deletes_the_newest_verified_step(copy):
     flip_byte(step_file(copy, STEPS))  # step 40 still has its manifest, but no longer verifies
     plan = cli_json("gc", copy, "--keep", 1)

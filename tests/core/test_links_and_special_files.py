@@ -112,7 +112,7 @@ def test_gc_never_deletes_through_a_step_directory_swapped_for_a_link_after_its_
     swap_for_link(ours, 1, victim)  # between the plan and the delete
     deleted = apply_gc(storage, plan)
     assert_intact(victim, files)
-    assert deleted == [2], "gc says it deleted a step it did not"
+    assert deleted == {2: []}, "gc says it deleted a step it did not"
     assert os.path.islink(os.path.join(ours, layout.step_dir(1))), "the link itself is not ours to delete either"
     assert not os.path.exists(os.path.join(ours, layout.step_dir(2)))
     assert "symbolic link" in caplog.text
