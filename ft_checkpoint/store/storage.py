@@ -301,10 +301,43 @@ def make_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> 
             "HINT: use a local path or a URL of an installed fsspec protocol (file://, memory://, gs://, s3://), "
             "and only options that filesystem accepts"
         ) from e
+    except OSError as e:  # a filesystem that connects or opens a file as it is made (ftp://, zip://...)
+        raise storage_error(f"open {url}", e) from e
     if type(fs) is MemoryFileSystem:  # one dict for all threads: see memory_fs
         fs = LockedMemoryFileSystem(**{**(storage_options or {}), "skip_instance_cache": True})
     single_attempt(fs)
     return fs, root
+
+
+def storage_error(where: str, e: Exception, *, tried: str = "1 attempt") -> Exception:
+    """``e``, a failure to ``where`` (``"list gs://b/run"``), as the StorageError that says what to check: the store
+    cannot be reached, not found, permission denied, no space, still failing after ``tried`` (a transient error).
+
+    Example:
+        >>> e = storage_error("open ftp://127.0.0.1:1/run", ConnectionRefusedError(111, "Connection refused"))
+        >>> str(e).split(". HINT")[0]
+        'open ftp://127.0.0.1:1/run: connection refused (ConnectionRefusedError: [Errno 111] Connection refused)'
+    """
+    if isinstance(e, FTCheckpointError):  # ours already says what happened (corruption is no outage)
+        return e
+    error = _describe(e)
+    cause = unreachable(e)
+    if cause == "no credentials":
+        return StoragePermissionError(f"{where}: no credentials ({error}). HINT: {_CREDENTIALS_HINT}")
+    if cause is not None:
+        return StorageError(f"{where}: {cause} ({error}). HINT: check the URL and endpoint_url in the storage "
+                            "options, and that the storage service runs and this machine reaches it")
+    if isinstance(e, FileNotFoundError):
+        return StorageNotFoundError(f"{where}: not found ({e}). HINT: check the URL, and that the bucket or directory exists")
+    if _denied(e):
+        return StoragePermissionError(f"{where}: permission denied ({error}). HINT: check the credentials "
+                                      "(storage_options or the environment) and that the location is writable")
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return StorageError(f"{where}: no space left on device. HINT: free space or point dirpath elsewhere")
+    if is_transient(e):
+        return StorageError(f"{where}: still failing after {tried}: {error}. "
+                            "HINT: the storage service may be down or unreachable")
+    return StorageError(f"{where}: {error}")
 
 
 _CREDENTIALS_HINT = ("give them in the storage options (FT_CHECKPOINT_STORAGE_OPTIONS, a JSON object, or storage_options: "
@@ -432,29 +465,7 @@ class Storage:
         except Exception as e:
             attempts = retrier.statistics.get("attempt_number", 1)
             tried = f"{plural(attempts, 'attempt')} in {human_seconds(time.monotonic() - start)}"
-            raise self._translate(what, rel, e, tried) from e
-
-    def _translate(self, what: str, rel: str, e: Exception, tried: str = "") -> Exception:
-        if isinstance(e, FTCheckpointError):  # ours already says what happened (corruption is no outage)
-            return e
-        where, error = f"{what} {self.url_of(rel)}", _describe(e)
-        cause = unreachable(e)
-        if cause == "no credentials":
-            return StoragePermissionError(f"{where}: no credentials ({error}). HINT: {_CREDENTIALS_HINT}")
-        if cause is not None:
-            return StorageError(f"{where}: {cause} ({error}). HINT: check the URL and endpoint_url in the storage "
-                                "options, and that the storage service runs and this machine reaches it")
-        if isinstance(e, FileNotFoundError):
-            return StorageNotFoundError(f"{where}: not found ({e}). HINT: check the URL, and that the bucket or directory exists")
-        if _denied(e):
-            return StoragePermissionError(f"{where}: permission denied ({error}). HINT: check the credentials "
-                                          "(storage_options or the environment) and that the location is writable")
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            return StorageError(f"{where}: no space left on device. HINT: free space or point dirpath elsewhere")
-        if is_transient(e):
-            return StorageError(f"{where}: still failing after {tried}: {error}. "
-                                "HINT: the storage service may be down or unreachable")
-        return StorageError(f"{where}: {error}")
+            raise storage_error(f"{what} {self.url_of(rel)}", e, tried=tried) from e
 
     # -- primitives ----------------------------------------------------------------------------
     def ensure_root(self) -> None:

@@ -78,6 +78,25 @@ def test_unresolvable_host_answers_once_with_a_hint(stopped, kind):
     assert_one_line_with_hint(stderr, seconds, rc, "host name does not resolve")
 
 
+def closed_port() -> int:
+    """A local port nothing listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(("url", "says"), [("ftp://127.0.0.1:{port}/run", "connection refused"),
+                                           ("zip://run::file://{tmp}/absent.zip", "not found")])
+def test_a_filesystem_that_cannot_open_answers_once_with_a_hint(url, says, tmp_path):
+    """fsspec's ftp:// connects, and zip:// opens its archive, as the filesystem is made: a refused connection or a
+    missing archive ended in "unexpected ConnectionRefusedError ... a file in the directory may be damaged ... (please
+    report it)"."""
+    url = url.format(port=closed_port(), tmp=tmp_path)
+    stderr, seconds, rc = ls_timed(url, {})
+    assert_one_line_with_hint(stderr, seconds, rc, f"error: open {url}: {says}")
+    assert "unexpected" not in stderr
+
+
 def test_missing_s3_credentials_answer_with_a_hint(s3_server):
     stderr, seconds, rc = ls_timed("s3://bucket/run", {"endpoint_url": s3_server.endpoint})
     assert_one_line_with_hint(stderr, seconds, rc, "no credentials")
