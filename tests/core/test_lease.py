@@ -411,7 +411,7 @@ def test_a_job_whose_directory_was_taken_over_commits_and_deletes_nothing_more(t
 
 
 ZOMBIE_WRITER = """
-import json, os, signal, sys
+import json, os, signal, sys, time
 sys.path.insert(0, {root!r})
 import torch
 from ft_checkpoint import CheckpointManager
@@ -421,6 +421,7 @@ def hook(phase, step):
     if (phase, step) == ("writing", 4):
         print("STOPPED", flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)  # hung with its step directory cleared, before any file is written
+        time.sleep(0.5)  # the stop lands on every thread a moment later: this one writes nothing before it
 with CheckpointManager({url!r}, interval=2, keep_last=1, storage_options=json.loads({options!r})) as ckpt:
     ckpt.engine.phase_hook = hook
     for step in (2, 4):
@@ -456,9 +457,9 @@ def test_a_hung_writer_taken_over_never_writes_over_the_step_the_new_owner_commi
             assert new.resume(state) == 2 and state["note"] == "zombie"
             new.save(4, {"w": torch.full((1000,), -4.0), "note": "new owner"}, block=True)
             new.wait(retention=True)
-        time.sleep(1.0)  # the hang outlasts the 0.5 s a sight of the lease is good for (a takeover waits 120 s)
-        proc.send_signal(signal.SIGCONT)
-        _, err = proc.communicate(timeout=120)
+            time.sleep(1.0)  # the hang outlasts the 0.5 s a sight of the lease is good for (a takeover waits 120 s)
+            proc.send_signal(signal.SIGCONT)  # while the new owner still runs
+            _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGCONT)
