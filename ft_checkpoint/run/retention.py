@@ -42,7 +42,8 @@ def plan_deletions(steps: dict[int, bool], *, keep_last: int, keep_every_n_steps
     return sorted(s for s, ok in steps.items() if s not in keep and (ok or s < newest))
 
 
-def statuses(storage: Storage, *, signer: layout.SignatureCheck | None = None) -> dict[int, str]:
+def statuses(storage: Storage, *, signer: layout.SignatureCheck | None = None,
+             reader: layout.ManifestReader | None = None) -> dict[int, str]:
     """``{step: layout.COMMITTED, NOT_COMMITTED or REFUSED}`` of every step directory (see
     ``layout.ManifestReader.status``), each manifest file read once.
 
@@ -50,7 +51,7 @@ def statuses(storage: Storage, *, signer: layout.SignatureCheck | None = None) -
         >>> statuses(Storage("memory://doc/statuses"))
         {}
     """
-    reader = layout.ManifestReader(storage)
+    reader = reader or layout.ManifestReader(storage)
     return {step: reader.status(step, signer=signer) if has_manifest else layout.NOT_COMMITTED
             for step, has_manifest in layout.list_steps(storage).items()}
 

@@ -39,6 +39,7 @@ from ft_checkpoint.format.signing import Signer
 from ft_checkpoint.run.retention import counted, plan_deletions, statuses
 from ft_checkpoint.store import checksum
 from ft_checkpoint.store.storage import IO_SLICE, Storage
+from ft_checkpoint.units import plural
 
 COMMITTED, PARTIAL, CORRUPT, UNVERIFIED = "committed", "partial", "corrupt", "unverified"
 
@@ -360,13 +361,28 @@ def plan_gc(storage: Storage, *, keep_last: int, keep_every_n_steps: int | None 
         >>> plan_gc(s, keep_last=1).delete   # nothing has committed: nothing is deleted
         []
     """
-    status = statuses(storage, signer=signer)
-    doomed = plan_deletions(counted(status), keep_last=keep_last, keep_every_n_steps=keep_every_n_steps)
+    reader = layout.ManifestReader(storage)
+    status = statuses(storage, signer=signer, reader=reader)
     committed = sorted((s for s, v in status.items() if v == layout.COMMITTED), reverse=True)
+    if signer is None:
+        _refuse_signed_without_key(storage, reader, committed)
+    doomed = plan_deletions(counted(status), keep_last=keep_last, keep_every_n_steps=keep_every_n_steps)
     protected = newest_verified(storage, committed, on_bytes, signer=signer)
     delete = [s for s in doomed if s != protected]
     return GcPlan(url=storage.url, delete=delete, keep=sorted(set(status) - set(delete)), protected=protected,
                   unverified=sorted(s for s, v in status.items() if v == layout.REFUSED))
+
+
+def _refuse_signed_without_key(storage: Storage, reader: layout.ManifestReader, committed: list[int]) -> None:
+    """ConfigError if a ``committed`` step's manifest is signed: without the run's key gc cannot tell a forged or
+    copied unsigned step from a good one, and would keep it as the newest that verifies and delete the signed ones."""
+    signed = [step for step in committed if reader.read(step).signature is not None]
+    if signed:
+        raise ConfigError(
+            f"the steps of {storage.url} are signed ({plural(len(signed), 'signed step')}, the newest {max(signed)}), and "
+            "no signing key was given: gc cannot tell a forged or copied unsigned step from a good one, and would "
+            "delete the signed steps. HINT: pass the run's key (--key-file, FT_CHECKPOINT_SIGNING_KEY_FILE or "
+            "FT_CHECKPOINT_SIGNING_KEY)")
 
 
 def newest_verified(storage: Storage, candidates: Iterable[int], on_bytes: OnBytes | None = None, *,

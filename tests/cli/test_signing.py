@@ -82,10 +82,15 @@ def test_inspect_shows_a_verified_signature_and_refuses_a_forged_step(run):
 
 
 def test_gc_with_the_key_never_deletes_the_newest_signed_step(run, tmp_path):
-    """Without the key, gc keeps the newest step that checks (step 4, unsigned) and would delete step 2."""
+    """Without the key, gc kept the newest step that checks (step 4, unsigned, planted) and deleted every signed
+    step (the red team's run: the training, with the key, then had no step left). Now it refuses, naming the key."""
     copy = str(tmp_path / "copy")
     shutil.copytree(run, copy)
-    assert 2 in cli_json("gc", copy, "--keep", 1, "--dry-run")["delete"]
+    for dry_run in (["--dry-run"], []):
+        refused = cli("gc", copy, "--keep", 1, *dry_run)
+        assert refused.returncode == 2 and "are signed (3 signed steps, the newest 3), and no signing key was given" \
+            in refused.stderr and "HINT: pass the run's key (--key-file" in refused.stderr, refused.stderr
+    assert sorted(int(n[5:]) for n in os.listdir(copy) if n.startswith("step_")) == [1, 2, 3, 4], "gc deleted a step"
     plan = cli_json("gc", copy, "--keep", 1, "--run-name", run, env=WITH_KEY)
     assert plan["protected"] == 2 and 2 not in plan["delete"]
     assert resume(copy, signing_key=KEY, run_name=run)[0] == 2
