@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import torch
 
 from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, StateMismatchError
+from ft_checkpoint.format import torch_file
 from ft_checkpoint.run.dist import Groups
 
 Path = tuple[Any, ...]
@@ -493,3 +494,30 @@ def _numpy_state(saved: Any) -> tuple[Any, ...]:
     """What ``numpy.random.set_state`` takes, from the plain values :func:`rng_state` saved."""
     name, keys, pos, has_gauss, cached = saved
     return name, _numpy().asarray(keys, dtype=_numpy().uint32), pos, has_gauss, cached
+
+
+def parse_rank_file(data: bytes, name: str, where: str) -> dict[str, Any]:
+    """A step's rank file ``name`` (read from ``where``, its URL), loaded through the allowlist and checked as a
+    resume checks it (its shape, depth and RNG states): ``{"skeleton": ..., "per_rank": ...}``. ``verify`` checks
+    each rank file the same way, so that it never calls intact a step a resume refuses.
+
+    Raises:
+        CheckpointCorruptError: naming the file.
+
+    Example:
+        >>> import io
+        >>> buf = io.BytesIO(); torch.save({"skeleton": {"w": None}, "per_rank": {}}, buf)
+        >>> parse_rank_file(buf.getvalue(), "rank_00000.pt", "memory://doc/rank_00000.pt")["skeleton"]
+        {'w': None}
+    """
+    rank_state = torch_file.load(data, where)
+    if not isinstance(rank_state, dict) or set(rank_state) != {"skeleton", "per_rank"} \
+            or not isinstance(rank_state["per_rank"], dict):
+        raise CheckpointCorruptError(f"{name}: not an ft-checkpoint rank file")
+    try:
+        check_depth(rank_state)
+        if rank_state["per_rank"].get("rng") is not None:
+            check_rng_state(rank_state["per_rank"]["rng"])
+    except CheckpointCorruptError as e:
+        raise CheckpointCorruptError(f"{name}: {e}") from e
+    return rank_state

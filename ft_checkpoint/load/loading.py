@@ -34,17 +34,16 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ft_checkpoint.errors import CheckpointCorruptError, StateMismatchError, StorageError
-from ft_checkpoint.format import layout, legacy, shards, torch_file
+from ft_checkpoint.format import layout, legacy, shards
 from ft_checkpoint.progress import Progress
 from ft_checkpoint.run.dist import Groups
 from ft_checkpoint.state import (
     Participants,
     StepFiles,
-    check_depth,
-    check_rng_state,
     load_tree_into,
     merge_tree,
     none_keys,
+    parse_rank_file,
     split_tree,
     to_tree,
 )
@@ -87,16 +86,7 @@ class StepLoader:
             metadata = shards.parse_metadata(self.read_file(manifest, layout.METADATA), manifest)
         name = self._rank_file_name(manifest)
         data = self.read_file(manifest, name)
-        rank_state = torch_file.load(data, f"{self.storage.url_of(layout.step_dir(step))}/{name}")
-        if not isinstance(rank_state, dict) or set(rank_state) != {"skeleton", "per_rank"} \
-                or not isinstance(rank_state["per_rank"], dict):
-            raise CheckpointCorruptError(f"{name}: not an ft-checkpoint rank file")
-        try:
-            check_depth(rank_state)
-            if rank_state["per_rank"].get("rng") is not None:
-                check_rng_state(rank_state["per_rank"]["rng"])
-        except CheckpointCorruptError as e:
-            raise CheckpointCorruptError(f"{name}: {e}") from e
+        rank_state = parse_rank_file(data, name, f"{self.storage.url_of(layout.step_dir(step))}/{name}")
         return OpenedStep(manifest=manifest, metadata=metadata, rank_state=rank_state)
 
     def read_file(self, manifest: layout.Manifest, name: str) -> bytes:

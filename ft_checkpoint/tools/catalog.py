@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -206,6 +207,7 @@ def check_step(storage: Storage, step: int, *, on_bytes: OnBytes | None = None,
     check = layout.check_step(storage, step, checksums=True, on_bytes=on_bytes, signer=signer)
     try:
         _check_tensor_metadata(storage, check)
+        _check_rank_files(storage, check)
     except CheckpointCorruptError as e:
         check.problems.append(str(e))
     prefix = storage.url_of(layout.step_dir(step))
@@ -234,6 +236,25 @@ def _check_tensor_metadata(storage: Storage, check: StepCheck) -> None:
                                                        size=entry.size), data)
     if only_data:
         _check_tensor_bytes(storage, check, data, tensors)
+
+
+def _check_rank_files(storage: Storage, check: StepCheck) -> None:
+    """For a step that checked so far, each rank file loaded and checked as a resume loads it
+    (``state.parse_rank_file``): a file whose checksum was recomputed over bytes no training wrote is corrupt
+    here too, not "intact" while every resume refuses the step (and ``gc`` deletes the older steps for it)."""
+    if not check.ok:
+        return
+    from ft_checkpoint.state import parse_rank_file  # torch: here only (ls and inspect import none of it)
+
+    assert check.manifest is not None
+    rel = layout.step_dir(check.step)
+    for name, entry in sorted(check.manifest.files.items()):
+        if RANK_FILE.fullmatch(name):
+            data = storage.read_bytes(f"{rel}/{name}", size=entry.size)
+            parse_rank_file(data, name, storage.url_of(f"{rel}/{name}"))
+
+
+RANK_FILE = re.compile(r"rank_\d+\.pt")
 
 
 def _check_tensor_bytes(storage: Storage, check: StepCheck, sizes: dict[str, int],

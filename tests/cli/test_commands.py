@@ -277,11 +277,13 @@ def test_report_plot_draws_the_timeline(local_run, tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_reading_commands_do_not_import_torch(local_run):
+def test_listing_commands_do_not_import_torch(local_run):
+    """``ls`` and ``report`` (and ``inspect``, below) read no tensor and import no torch; ``verify`` and ``gc`` load each
+    rank file as a resume does, with torch's weights-only loader (``test_forged_steps.py``)."""
     code = ("import sys\nclass B:\n def find_spec(self, name, path=None, target=None):\n"
             "  if name.split('.')[0] == 'torch': raise ImportError('blocked: ' + name)\n"
             "sys.meta_path.insert(0, B())\nfrom ft_checkpoint.tools.cli import main\n"
-            f"for cmd in (['ls'], ['verify', '--all'], ['report'], ['gc', '--keep', '3', '--dry-run']):\n"
+            f"for cmd in (['ls'], ['report']):\n"
             f"    assert main([*cmd[:1], {local_run.url!r}, *cmd[1:], '--json']) == 0, cmd\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -148,6 +148,27 @@ def deeply_nested_rank_file(depth: int) -> bytes:
     return out.getvalue()
 
 
+@pytest.mark.parametrize("forgery", ["torch-5-bytes", "random bytes"])
+def test_verify_and_gc_refuse_a_rank_file_a_resume_refuses(tmp_path, forgery):
+    """A rank file forged with its checksum recomputed: before, ``verify`` called the step intact (it checked sizes and
+    checksums only) while every resume skipped it, and ``gc`` kept it as the newest step that verifies and deleted
+    the steps a resume could load (the red team's run then resumed from scratch). Now both check each rank file as a
+    resume loads it."""
+    from ft_checkpoint.tools.catalog import check_step, plan_gc
+
+    url = str(tmp_path / "ckpt")
+    two_steps(url)
+    if forgery == "random bytes":
+        replace_with_checksum(Storage(url), 2, layout.rank_file(0), random.Random(0).randbytes(5000))
+    else:
+        forge_rank_file(url, RNG_FORGERIES[forgery][0])
+    problems = check_step(Storage(url), 2).problems
+    assert len(problems) == 1 and f"{layout.step_dir(2)}/{layout.rank_file(0)}: " in problems[0], problems
+    assert ("torch RNG state" if forgery == "torch-5-bytes" else "not a zip archive") in problems[0], problems
+    plan = plan_gc(Storage(url), keep_last=1)
+    assert plan.protected == 1 and plan.delete == [], plan
+
+
 def test_a_state_file_nested_too_deep_skips_the_step(tmp_path, caplog):
     """Walking the skeleton raised RecursionError on every start."""
     url = str(tmp_path / "ckpt")
