@@ -22,7 +22,9 @@ the socket, with no timeout either). A hung S3 server (SIGSTOP) kept a save, and
 for as long as it hung. So the header is left out (the body goes at once; the 15 s read timeout starts after it),
 and each connection gets ``TCP_USER_TIMEOUT`` (Linux): bytes sent and not acknowledged for :data:`S3_SILENCE_TIMEOUT`
 seconds, a stalled upload included, end the connection, an error retried like any other. A user's own
-``connector_args`` are kept.
+``connector_args`` are kept. GCS uploads go through the same aiohttp (a 30 MB write to a stopped GCS emulator still
+waited after 150 s): gcsfs's session gets the same socket option, unless the user gave ``session_kwargs`` a
+``connector`` or gcsfs presents a client certificate (its own connector then).
 
 Example:
     >>> options = single_attempt_options("s3", {"key": "k"})
@@ -50,7 +52,7 @@ GCS_CONNECT_TIMEOUT = 5.0
 GCS_READ_TIMEOUT = 15.0
 """Seconds a GCS request may wait for the server's next byte (s3fs's ``read_timeout``)."""
 S3_SILENCE_TIMEOUT = 15.0
-"""Seconds bytes an S3 connection sent may stay unacknowledged before it is ended (``TCP_USER_TIMEOUT``)."""
+"""Seconds bytes an S3 or GCS connection sent may stay unacknowledged before it is ended (``TCP_USER_TIMEOUT``)."""
 
 
 def single_attempt_options(protocol: str, storage_options: dict[str, Any]) -> dict[str, Any]:
@@ -103,6 +105,7 @@ def single_attempt(fs: Any) -> None:
         fs.retries = 1
         _without_expect_continue(fs)
     elif type(fs).__module__.startswith("gcsfs"):
+        _silence_limited_session(fs)
         request = getattr(type(fs)._request, "__wrapped__", None)
         if request is None:
             log.debug("gcsfs %s: its request has no __wrapped__; its own retries stay on", type(fs).__module__)
@@ -124,3 +127,26 @@ def _without_expect_continue(fs: Any) -> None:
         return client
 
     fs.set_session = set_session
+
+
+def _silence_limited_session(fs: Any) -> None:
+    """Have the aiohttp session gcsfs makes on first use connect with :func:`silence_limited_socket` (see the module's
+    docstring), unless the user gave a ``connector`` or gcsfs uses a client certificate (mutual TLS)."""
+    if not hasattr(socket, "TCP_USER_TIMEOUT") or "connector" in fs.session_kwargs \
+            or getattr(fs, "_use_client_cert", False):
+        return
+    make_session = fs._set_session
+
+    async def _set_session() -> Any:
+        if fs._session is not None or "connector" in fs.session_kwargs:
+            return await make_session()
+        import aiohttp
+
+        own = fs.session_kwargs  # a new connector for each session made (a closed session closes its connector)
+        fs.session_kwargs = {**own, "connector": aiohttp.TCPConnector(socket_factory=silence_limited_socket)}
+        try:
+            return await make_session()
+        finally:
+            fs.session_kwargs = own
+
+    fs._set_session = _set_session

@@ -261,20 +261,24 @@ def test_silent_gcs_endpoint_fails_within_the_retry_window(monkeypatch):
     print(outcome[0])
 
 
-@pytest.mark.parametrize("size", [1000, 30 << 20], ids=["small object", "30 MB object"])
-def test_write_to_a_hung_s3_server_fails_within_the_retry_window(monkeypatch, size):
-    """A real S3 server, stopped (SIGSTOP) with a connection open, as a hung server or a network that drops
-    everything. Before: a write waited for as long as it hung (botocore's ``Expect: 100-continue``, for which aiohttp
-    waits with no timeout; and a large body no one reads has no timeout either): a save, and the training behind it,
-    stalled for 300 s without a word. Now each attempt ends (a read timeout of 1 s and a silence of 1 s here,
-    15 s each by default) and the write fails as any outage does."""
+@pytest.mark.parametrize(("kind", "size"), [("s3", 1000), ("s3", 30 << 20), ("gcs", 30 << 20)],
+                         ids=["s3 small object", "s3 30 MB object", "gcs 30 MB object"])
+def test_write_to_a_hung_server_fails_within_the_retry_window(monkeypatch, kind, size):
+    """A real S3 server or GCS emulator, stopped (SIGSTOP) with a connection open, as a hung server or a network that
+    drops everything. Before: a write waited for as long as it hung (botocore's ``Expect: 100-continue``, for which
+    aiohttp waits with no timeout; and a large body no one reads has no timeout either): a save, and the training
+    behind it, stalled for 300 s without a word (GCS: a 30 MB write still waited after 150 s). Now each attempt ends
+    (a read timeout of 1 s and a silence of 1 s here, 15 s each by default) and the write fails as any outage does."""
     monkeypatch.setattr(client_retries, "S3_SILENCE_TIMEOUT", 1.0)
+    monkeypatch.setattr(client_retries, "GCS_READ_TIMEOUT", 1.0)
     monkeypatch.setattr(storage_module, "RETRY_WINDOW", 2.0)
-    server = servers.start("s3")
+    server = servers.start(kind)
     try:
         server.make_bucket("bucket")
-        options = {**server.storage_options, "config_kwargs": {"read_timeout": 1, "connect_timeout": 1}}
-        s = Storage("s3://bucket/run", options, backoff=0.01)
+        options = {**server.storage_options}
+        if kind == "s3":
+            options["config_kwargs"] = {"read_timeout": 1, "connect_timeout": 1}
+        s = Storage(f"{server.protocol}://bucket/run", options, backoff=0.01)
         s.write_bytes("warm", b"x")  # a kept-alive connection, as in a running job
         server.proc.send_signal(signal.SIGSTOP)
         outcome: list[BaseException] = []
@@ -292,10 +296,10 @@ def test_write_to_a_hung_s3_server_fails_within_the_retry_window(monkeypatch, si
     finally:
         server.proc.send_signal(signal.SIGCONT)
         server.stop()
-    assert not hung, f"a write to a hung S3 server still waits after {ANSWER_WITHIN:.0f} s"
+    assert not hung, f"a write to a hung {kind} server still waits after {ANSWER_WITHIN:.0f} s"
     assert len(outcome) == 1 and isinstance(outcome[0], StorageError), outcome
-    assert re.search(r"write s3://bucket/run/obj: still failing after \d+ attempts? in .*HINT: the storage service may "
-                     r"be down or unreachable", str(outcome[0])), outcome[0]
+    assert re.search(rf"write {server.protocol}://bucket/run/obj: still failing after \d+ attempts? in .*HINT: "
+                     r"the storage service may be down or unreachable", str(outcome[0])), outcome[0]
     print(outcome[0])
 
 
