@@ -22,9 +22,10 @@ the socket, with no timeout either). A hung S3 server (SIGSTOP) kept a save, and
 for as long as it hung. So the header is left out (the body goes at once; the 15 s read timeout starts after it),
 and each connection gets ``TCP_USER_TIMEOUT`` (Linux): bytes sent and not acknowledged for :data:`S3_SILENCE_TIMEOUT`
 seconds, a stalled upload included, end the connection, an error retried like any other. A user's own
-``connector_args`` are kept. GCS uploads go through the same aiohttp (a 30 MB write to a stopped GCS emulator still
-waited after 150 s): gcsfs's session gets the same socket option, unless the user gave ``session_kwargs`` a
-``connector`` or gcsfs presents a client certificate (its own connector then).
+``connector_args`` are kept, a ``socket_factory`` among them replacing ours. GCS uploads go through the same
+aiohttp (a 30 MB write to a stopped GCS emulator still waited after 150 s): gcsfs's session gets the same socket
+option, unless the user gave ``session_kwargs`` a ``connector`` or gcsfs presents a client certificate (its own
+connector then).
 
 Example:
     >>> options = single_attempt_options("s3", {"key": "k"})
@@ -73,12 +74,12 @@ def single_attempt_options(protocol: str, storage_options: dict[str, Any]) -> di
     config = dict(storage_options.get("config_kwargs") or {})
     config.setdefault("retries", {"total_max_attempts": 1})
     if hasattr(socket, "TCP_USER_TIMEOUT"):
-        config.setdefault("connector_args", {"socket_factory": silence_limited_socket})
+        config["connector_args"] = {"socket_factory": silence_limited_socket, **(config.get("connector_args") or {})}
     return {**storage_options, "config_kwargs": config}
 
 
 def silence_limited_socket(addr_info: Any) -> socket.socket:
-    """aiohttp's socket factory for S3 connections: a socket whose unacknowledged bytes end it after
+    """aiohttp's socket factory for S3 and GCS connections: a socket whose unacknowledged bytes end it after
     :data:`S3_SILENCE_TIMEOUT` seconds (``TCP_USER_TIMEOUT``, Linux only: see the module's docstring).
 
     Example:

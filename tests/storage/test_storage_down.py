@@ -303,11 +303,17 @@ def test_write_to_a_hung_server_fails_within_the_retry_window(monkeypatch, kind,
     print(outcome[0])
 
 
-def test_s3_connections_limit_silence_unless_the_user_sets_connector_args():
-    """Each S3 connection ends after 15 s of unacknowledged bytes; a user's own ``connector_args`` are kept."""
+def test_s3_connections_limit_silence_beside_the_users_connector_args():
+    """Each S3 connection ends after 15 s of unacknowledged bytes; a user's own ``connector_args`` are kept beside
+    it (before, any of them left the socket option out: a 20 MB write to a hung server blocked again, helper-42),
+    and a ``socket_factory`` of theirs replaces ours."""
     factory = client_retries.single_attempt_options("s3", {})["config_kwargs"]["connector_args"]["socket_factory"]
     sock = factory((socket.AF_INET, socket.SOCK_STREAM, 0, "", ("127.0.0.1", 0)))
     with sock:
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 15000
     mine = {"config_kwargs": {"connector_args": {"keepalive_timeout": 5}}}
-    assert client_retries.single_attempt_options("s3", mine)["config_kwargs"]["connector_args"] == {"keepalive_timeout": 5}
+    assert client_retries.single_attempt_options("s3", mine)["config_kwargs"]["connector_args"] == {
+        "keepalive_timeout": 5, "socket_factory": client_retries.silence_limited_socket}
+    theirs = {"config_kwargs": {"connector_args": {"socket_factory": socket.socket}}}
+    assert client_retries.single_attempt_options("s3", theirs)["config_kwargs"]["connector_args"] == {
+        "socket_factory": socket.socket}
