@@ -223,6 +223,23 @@ class SilentServer:
             c.close()
 
 
+def run_for_a_while(fn) -> tuple[bool, list[BaseException]]:
+    """Run ``fn()`` on a thread of its own for at most :data:`ANSWER_WITHIN` seconds: whether it still runs then
+    (it hangs), and what it raised."""
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+            outcome.append(e)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(ANSWER_WITHIN)
+    return worker.is_alive(), outcome
+
+
 def test_gcs_requests_have_a_timeout_unless_the_user_sets_one():
     """gcsfs sets none by default (aiohttp then waits forever); ours is s3fs's for S3: 5 s to connect, 15 s of silence."""
     fs, _ = make_filesystem("gs://bucket/run", {"token": "anon", "endpoint_url": "http://127.0.0.1:9"})
@@ -240,18 +257,8 @@ def test_silent_gcs_endpoint_fails_within_the_retry_window(monkeypatch):
     monkeypatch.setattr(client_retries, "GCS_READ_TIMEOUT", 0.3)
     monkeypatch.setattr(storage_module, "RETRY_WINDOW", 2.0)
     server = SilentServer()
-    outcome: list[BaseException] = []
-
-    def ls() -> None:
-        try:
-            Storage("gs://bucket/run", {"endpoint_url": server.endpoint, "token": "anon"}, backoff=0.01).listdir("")
-        except BaseException as e:  # noqa: BLE001 - handed to the test's thread
-            outcome.append(e)
-
-    worker = threading.Thread(target=ls, daemon=True)
-    worker.start()
-    worker.join(ANSWER_WITHIN)
-    hung = worker.is_alive()
+    hung, outcome = run_for_a_while(
+        lambda: Storage("gs://bucket/run", {"endpoint_url": server.endpoint, "token": "anon"}, backoff=0.01).listdir(""))
     server.close()  # before: lets the hung request end
     assert not hung, f"listing a silent GCS endpoint still hangs after {ANSWER_WITHIN:.0f} s"
     assert len(outcome) == 1 and isinstance(outcome[0], StorageError), outcome
@@ -281,18 +288,7 @@ def test_write_to_a_hung_server_fails_within_the_retry_window(monkeypatch, kind,
         s = Storage(f"{server.protocol}://bucket/run", options, backoff=0.01)
         s.write_bytes("warm", b"x")  # a kept-alive connection, as in a running job
         server.proc.send_signal(signal.SIGSTOP)
-        outcome: list[BaseException] = []
-
-        def write() -> None:
-            try:
-                s.write_bytes("obj", bytes(size))
-            except BaseException as e:  # noqa: BLE001 - handed to the test's thread
-                outcome.append(e)
-
-        worker = threading.Thread(target=write, daemon=True)
-        worker.start()
-        worker.join(ANSWER_WITHIN)
-        hung = worker.is_alive()
+        hung, outcome = run_for_a_while(lambda: s.write_bytes("obj", bytes(size)))
     finally:
         server.proc.send_signal(signal.SIGCONT)
         server.stop()
