@@ -34,7 +34,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 from ft_checkpoint.errors import CheckpointCorruptError, SignatureError, StorageNotFoundError, StoragePermissionError
@@ -564,16 +564,25 @@ def _entry_problem(found: Any, entry: FileEntry) -> str | None:
 
 
 def _checksum_problem(storage: Storage, rel: str, entry: FileEntry, on_bytes: OnBytes | None) -> str | None:
-    def counted() -> Iterable[bytes]:
-        for chunk in storage.iter_chunks(rel, size=entry.size):
-            if on_bytes is not None:
-                on_bytes(len(chunk))
-            yield chunk
-
     try:
-        return None if crc.matches(entry.checksum, counted()) else CHECKSUM_MISMATCH
+        return None if crc.matches(entry.checksum, reported(storage.iter_chunks(rel, size=entry.size), on_bytes)) \
+            else CHECKSUM_MISMATCH
     except CheckpointCorruptError as e:  # swapped for a FIFO or a link since the listing: the message names it
         return f"changed since it was listed: {e}"
+
+
+def reported(pieces: Iterable[bytes], on_bytes: OnBytes | None) -> Iterator[bytes]:
+    """``pieces`` as they are, each one's size passed to ``on_bytes`` (a progress bar) as it goes by.
+
+    Example:
+        >>> seen = []
+        >>> b"".join(reported([b"ab", b"c"], seen.append)), seen
+        (b'abc', [2, 1])
+    """
+    for piece in pieces:
+        if on_bytes is not None:
+            on_bytes(len(piece))
+        yield piece
 
 
 # -- deleting and setting aside ----------------------------------------------------------------

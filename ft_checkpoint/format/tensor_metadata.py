@@ -238,4 +238,9 @@ def data_files(files: dict[str, Any]) -> dict[str, int]:
         >>> data_files({"__0_0.distcp": E(size=8), "metadata.json": E(size=9), "rank_00000.pt": E(size=3)})
         {'__0_0.distcp': 8}
     """
-    return {name: e.size for name, e in files.items() if name.endswith(".distcp")}
+    return {name: e.size for name, e in files.items() if is_data_file(name)}
+
+
+def is_data_file(name: str) -> bool:
+    """Whether ``name`` is a tensor data file's (a ``.distcp`` file)."""
+    return name.endswith(".distcp")

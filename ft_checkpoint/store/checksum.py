@@ -151,3 +151,34 @@ def crcs_while_writing(views: list[memoryview], lengths: list[int], write: Calla
                 crc = crc32c_of(chunk[:n - start], crc)
         crcs.append(crc)
     return crcs
+
+
+def check_in_ranges(expected: str, pieces: Iterable[Any], ends: list[int]) -> tuple[bool, list[int | None]]:
+    """One pass over a file read as ``pieces``: whether the whole has the checksum ``expected`` (either algorithm),
+    and the CRC-32C of each range that the ascending offsets ``ends`` close (the first starts at 0; None for one the
+    pieces did not reach to its end). ``ft-checkpoint verify`` checks a data file and each tensor's bytes in it so.
+    The whole file's CRC-32C is combined from the ranges' (:func:`combine_all`): the bytes are hashed once.
+
+    Example:
+        >>> whole = format_crc(crc32c_of(b"hello world"))
+        >>> check_in_ranges(whole, [b"hel", b"lo world"], [5, 11]) == (True, [crc32c_of(b"hello"), crc32c_of(b" world")])
+        True
+        >>> check_in_ranges(whole, [b"hello"], [5, 11])[1][1] is None  # the file ended early
+        True
+    """
+    sha = hashlib.sha256() if expected.startswith("sha256:") else None
+    crcs, lengths = [0] * (len(ends) + 1), [0] * (len(ends) + 1)  # the last: bytes past the last end
+    pos, i = 0, 0
+    for piece in pieces:
+        if sha is not None:
+            sha.update(piece)
+        view = memoryview(piece)
+        while len(view):
+            while i < len(ends) and pos >= ends[i]:
+                i += 1
+            n = len(view) if i == len(ends) else min(len(view), ends[i] - pos)
+            crcs[i], lengths[i] = crc32c_of(view[:n], crcs[i]), lengths[i] + n
+            pos, view = pos + n, view[n:]
+    whole = f"sha256:{sha.hexdigest()}" if sha is not None else format_crc(combine_all(crcs, lengths))
+    starts = [0, *ends]
+    return whole == expected, [crc if lengths[k] == end - starts[k] else None for k, (crc, end) in enumerate(zip(crcs, ends))]

@@ -39,7 +39,7 @@ from ft_checkpoint.format.layout import OnBytes, StepCheck
 from ft_checkpoint.format.signing import Signer
 from ft_checkpoint.run.retention import counted, plan_deletions, statuses
 from ft_checkpoint.store import checksum
-from ft_checkpoint.store.storage import IO_SLICE, Storage
+from ft_checkpoint.store.storage import Storage
 from ft_checkpoint.units import plural
 
 COMMITTED, PARTIAL, CORRUPT, UNVERIFIED = "committed", "partial", "corrupt", "unverified"
@@ -196,17 +196,19 @@ def select_steps(listing: Listing, *, step: int | None = None, all_steps: bool =
 def check_step(storage: Storage, step: int, *, on_bytes: OnBytes | None = None,
                signer: Signer | None = None) -> StepCheck:
     """Check the manifest (with a ``signer``, its signature first), every file's size, kind and checksum, for
-    files it does not list, and (format 2) the tensor metadata against the manifest; collect every problem,
-    each naming the file by its URL.
+    files it does not list, and (format 2) the tensor metadata against the manifest and each tensor's bytes against
+    their own checksum, as a resume checks them; collect every problem, each naming the file by its URL. Each
+    file is read once.
 
     Example:
         >>> from ft_checkpoint.store.storage import Storage
         >>> check_step(Storage("memory://doc/check"), 7).problems
         ['memory://doc/check/step_000000000007/manifest.json is missing']
     """
-    check = layout.check_step(storage, step, checksums=True, on_bytes=on_bytes, signer=signer)
+    check = layout.check_step(storage, step, checksums=lambda name: not tensor_metadata.is_data_file(name),
+                              on_bytes=on_bytes, signer=signer)  # the data files: below, with their tensors
     try:
-        _check_tensor_metadata(storage, check)
+        _check_data_files(storage, check, _tensor_chunks(storage, check), on_bytes)
         _check_rank_files(storage, check)
     except CheckpointCorruptError as e:
         check.problems.append(str(e))
@@ -216,26 +218,84 @@ def check_step(storage: Storage, step: int, *, on_bytes: OnBytes | None = None,
     return check
 
 
-def _check_tensor_metadata(storage: Storage, check: StepCheck) -> None:
-    """Format 2: check the tensor metadata against the manifest, and, where the only problems are data files that do
-    not match their whole-file checksum, whether a resume loads the step all the same (:func:`_check_tensor_bytes`).
-    A resume reads and checks only the byte ranges of a data file's tensors (each range's CRC-32C, see ``shards``):
-    a file whose other bytes (alignment padding) changed still loads."""
+Chunks = dict[str, list[tuple[str, tensor_metadata.ChunkEntry]]]
+"""Each data file's tensor chunks, by file name, each with its tensor's name."""
+
+
+def _tensor_chunks(storage: Storage, check: StepCheck) -> Chunks:
+    """Format 2, where ``metadata.json`` checked (size, checksum): each data file's tensor chunks; {} for format 1.
+    A metadata file that does not parse is a problem, and the data files are then checked whole."""
     manifest = check.manifest
     if manifest is None or manifest.format_version < 2:
-        return
-    data = tensor_metadata.data_files(manifest.files)
-    only_data = bool(check.mismatched) and set(check.mismatched) <= set(data) \
-        and check.problems == [f"{name}: {layout.CHECKSUM_MISMATCH}" for name in check.mismatched]
-    if not (check.ok or only_data):
-        return
+        return {}
     entry = manifest.files.get(layout.METADATA)
     if entry is None:
-        raise CheckpointCorruptError(f"the manifest lists no {layout.METADATA}")
-    tensors = tensor_metadata.parse(storage.read_bytes(f"{layout.step_dir(check.step)}/{layout.METADATA}",
-                                                       size=entry.size), data)
-    if only_data:
-        _check_tensor_bytes(storage, check, data, tensors)
+        check.problems.append(f"the manifest lists no {layout.METADATA}")
+        return {}
+    if any(p.startswith(f"{layout.METADATA}: ") for p in check.problems):
+        return {}
+    try:
+        tensors = tensor_metadata.parse(storage.read_bytes(f"{layout.step_dir(check.step)}/{layout.METADATA}",
+                                                           size=entry.size), tensor_metadata.data_files(manifest.files))
+    except CheckpointCorruptError as e:
+        check.problems.append(str(e))
+        return {}
+    chunks: Chunks = {}
+    for fqn, t in tensors.items():
+        for c in t.chunks:
+            chunks.setdefault(c.file, []).append((fqn, c))
+    return chunks
+
+
+def _check_data_files(storage: Storage, check: StepCheck, chunks: Chunks, on_bytes: OnBytes | None) -> None:
+    """Each data file that has its listed size, read once: its whole-file checksum, and each tensor chunk's bytes
+    against their CRC-32C in ``metadata.json`` (``chunks``), as a resume reads and checks them. A file whose checksum
+    was recomputed over changed tensor bytes is corrupt here too, not "intact" while every resume refuses the step
+    (and ``gc`` deletes the steps a resume loads for it); one whose only changed bytes belong to no tensor (alignment
+    padding) still loads (``check.loads``)."""
+    if check.manifest is None:
+        return
+    tensors_intact = True
+    for name, size in sorted(tensor_metadata.data_files(check.manifest.files).items()):
+        if not any(p.startswith(f"{name}: ") for p in check.problems):  # else missing, a link, or the wrong size
+            problem, intact = _data_file_problem(storage, check, name, size, chunks.get(name, []), on_bytes)
+            tensors_intact &= intact
+            if problem:
+                check.problems.append(f"{name}: {problem}")
+    if check.problems and all(PADDING in p for p in check.problems):
+        check.loads = True
+    elif not tensors_intact:
+        check.loads = False
+
+
+PADDING = "in bytes that belong to no tensor (alignment padding); every tensor's bytes in it match their checksums"
+
+
+def _data_file_problem(storage: Storage, check: StepCheck, name: str, size: int,
+                       chunks: list[tuple[str, tensor_metadata.ChunkEntry]],
+                       on_bytes: OnBytes | None) -> tuple[str | None, bool]:
+    """What is wrong with one data file (None: nothing) and whether every tensor's bytes in it match their
+    CRC-32C, from one pass over it (``checksum.check_in_ranges``)."""
+    assert check.manifest is not None
+    rel = f"{layout.step_dir(check.step)}/{name}"
+    ends = sorted({e for _, c in chunks for e in (c.offset, c.offset + c.length)} - {0})
+    try:
+        whole_ok, crcs = checksum.check_in_ranges(check.manifest.files[name].checksum,
+                                                  layout.reported(storage.iter_chunks(rel, size=size), on_bytes), ends)
+    except CheckpointCorruptError as e:  # swapped for a FIFO or a link since the listing: the message names it
+        return f"changed since it was listed: {e}", False
+    check.bytes_checked += size
+    at = dict(zip([0, *ends], crcs))
+    bad = [fqn for fqn, c in chunks if (at.get(c.offset) if c.length else 0) != c.crc32c]
+    if not whole_ok:
+        check.mismatched.append(name)
+        return (f"{layout.CHECKSUM_MISMATCH} {PADDING}" if chunks and not bad else layout.CHECKSUM_MISMATCH), not bad
+    if bad:
+        more = f" (and {plural(len(bad) - 1, 'more chunk')})" if len(bad) > 1 else ""
+        return (f"matches the checksum the manifest gives, but the bytes of tensor {bad[0]}{more} do not match their "
+                f"checksum in {layout.METADATA}: changed, and the manifest's checksum recomputed over them "
+                "(forged); a resume refuses the step"), False
+    return None, True
 
 
 def _check_rank_files(storage: Storage, check: StepCheck) -> None:
@@ -255,44 +315,6 @@ def _check_rank_files(storage: Storage, check: StepCheck) -> None:
 
 
 RANK_FILE = re.compile(r"rank_\d+\.pt")
-
-
-def _check_tensor_bytes(storage: Storage, check: StepCheck, sizes: dict[str, int],
-                        tensors: dict[str, tensor_metadata.TensorEntry]) -> None:
-    """For each data file of ``check.mismatched`` (the step's only problems; ``sizes``: the data files' sizes), whether
-    the bytes of its tensors match their own checksums, as a resume checks them: ``check.loads`` and each problem say
-    which. Reads the tensor bytes of those files again (once for the whole-file checksum, once here): nothing more
-    for an intact step."""
-    chunks: dict[str, list[tensor_metadata.ChunkEntry]] = {}
-    for t in tensors.values():
-        for c in t.chunks:
-            chunks.setdefault(c.file, []).append(c)
-    rel = layout.step_dir(check.step)
-    check.loads = True
-    for i, name in enumerate(check.mismatched):  # the problems, in the same order
-        if storage.call("read", f"{rel}/{name}", _tensor_bytes_match, storage, f"{rel}/{name}", sizes[name],
-                        sorted(chunks.get(name, []), key=lambda c: c.offset)):
-            check.problems[i] = (f"{name}: {layout.CHECKSUM_MISMATCH} in bytes that belong to no tensor (alignment "
-                                 "padding); every tensor's bytes in it match their checksums")
-        else:
-            check.loads = False
-
-
-def _tensor_bytes_match(storage: Storage, rel: str, size: int, chunks: list[tensor_metadata.ChunkEntry]) -> bool:
-    """Whether the bytes of each of ``chunks`` (of the file ``rel`` of ``size`` bytes, in offset order) match its
-    CRC-32C, as a resume reads and checks them (``shards.ShardReader``)."""
-    with storage.open_read(rel, size=size) as f:
-        for c in chunks:
-            f.seek(c.offset)
-            crc, left = 0, c.length
-            while left:
-                piece = f.read(min(left, IO_SLICE))
-                if not piece:
-                    return False
-                crc, left = checksum.crc32c_of(piece, crc), left - len(piece)
-            if crc != c.crc32c:
-                return False
-    return True
 
 
 def _names_a_file(problem: str) -> bool:

@@ -584,3 +584,38 @@ def test_the_cover_check_refuses_gaps_overlaps_and_layouts_dcp_never_writes():
     pinwheel = [([0, 0], [2, 1]), ([2, 0], [1, 2]), ([1, 2], [2, 1]), ([0, 1], [1, 2]), ([1, 1], [1, 1])]
     with pytest.raises(ValueError, match="grid"):
         check([3, 3], pinwheel)  # an exact cover, but not one DCP writes
+
+
+@pytest.mark.parametrize("where", ["inside a tensor", "in the padding"])
+def test_verify_checks_each_tensor_s_bytes_against_its_own_checksum_in_one_pass(tmp_path, monkeypatch, where):
+    """Bytes of a data file changed and the file's checksum recomputed in the manifest: before, ``verify`` read only
+    whole-file checksums and called a step intact whose tensor bytes every resume refuses (their CRC-32C in
+    ``metadata.json``), and ``gc --keep 1`` deleted the step a resume could load (helper-42). Now verify computes
+    each tensor chunk's CRC in its one pass over the file; bytes outside every tensor still load."""
+    from ft_checkpoint.tools.catalog import check_step, plan_gc
+
+    url = str(tmp_path / "ckpt")
+    two_steps(url)
+    s = Storage(url)
+    rel = f"{layout.step_dir(2)}/__0_0.distcp"
+    doc = json.loads(s.read_bytes(f"{layout.step_dir(2)}/{layout.METADATA}"))
+    ranges = sorted((c["offset"], c["offset"] + c["length"]) for t in doc["tensors"].values() for c in t["chunks"]
+                    if c["file"] == "__0_0.distcp")
+    data = bytearray(s.read_bytes(rel))
+    at = ranges[0][0] + 4 if where == "inside a tensor" else next(end for end, (start, _) in zip(
+        [r[1] for r in ranges], ranges[1:] + [(len(data), 0)]) if start > end)
+    data[at] ^= 0xFF
+    replace_with_checksum(s, 2, "__0_0.distcp", bytes(data))
+    reads: list[str] = []
+    iter_chunks = Storage.iter_chunks
+    monkeypatch.setattr(Storage, "iter_chunks", lambda self, rel, **kw: (reads.append(rel), iter_chunks(self, rel, **kw))[1])
+    check = check_step(s, 2)
+    assert reads.count(rel) == 1, f"one pass over the data file: {reads}"
+    if where == "in the padding":
+        assert check.ok, check.problems
+        return
+    assert len(check.problems) == 1 and "__0_0.distcp" in check.problems[0], check.problems
+    assert "do not match their checksum in metadata.json" in check.problems[0] and "forged" in check.problems[0], check.problems
+    assert not check.loads
+    plan = plan_gc(s, keep_last=1)
+    assert plan.protected == 1 and plan.delete == [], plan
