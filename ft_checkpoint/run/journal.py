@@ -140,7 +140,8 @@ class Journal:
     def _write_progress(self, step: int | None) -> None:
         cost = self.save_cost
         try:
-            self.storage.write_bytes(f"{JOURNAL_DIR}/{self.attempt}/{PROGRESS}", self._note(step))
+            with self.storage.best_effort():
+                self.storage.write_bytes(f"{JOURNAL_DIR}/{self.attempt}/{PROGRESS}", self._note(step))
             self._written_step, self._written_cost = step, cost
         except StorageError as e:
             log.warning("could not write journal progress: %s", e)
@@ -214,8 +215,9 @@ class Journal:
 
     def _write_event(self, seq: int, event: str, body: dict[str, Any]) -> None:
         try:
-            self.storage.write_bytes(f"{JOURNAL_DIR}/{self.attempt}/{seq:06d}-{event}.json",
-                                     json.dumps(body, sort_keys=True).encode())
+            with self.storage.best_effort():  # while the store is down: one attempt (a lost note harms nothing)
+                self.storage.write_bytes(f"{JOURNAL_DIR}/{self.attempt}/{seq:06d}-{event}.json",
+                                         json.dumps(body, sort_keys=True).encode())
         except StorageError as e:
             log.warning("could not write journal event %s: %s", event, e)
 

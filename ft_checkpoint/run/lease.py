@@ -295,8 +295,9 @@ class Lease:
         if self._lost is not None or self._thread is None:
             return
         try:
-            if self._mine(self._read()):
-                self.storage.delete_file(LEASE)
+            with self.storage.best_effort():  # while the store is down: one attempt (a stale lease is taken over)
+                if self._mine(self._read()):
+                    self.storage.delete_file(LEASE)
         except StorageError as e:
             log.warning("could not release the checkpoint lease: %s", e)
 

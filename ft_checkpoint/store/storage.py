@@ -34,6 +34,7 @@ import os
 import posixpath
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, TypeVar
@@ -419,6 +420,8 @@ class Storage:
         # prefetcher was seen to hang on repeated reads of the same object.
         self.read_options: dict[str, Any] = {} if self.is_local else {"cache_type": "readahead"}
         self._buffers = BufferPool()  # GCS: where a small file's views are joined (see _put_views)
+        self._down_since: float | None = None  # see down
+        self._best_effort = threading.local()  # see best_effort
 
     def __repr__(self) -> str:
         return f"Storage({self.url!r})"
@@ -436,7 +439,45 @@ class Storage:
     def retrying(self, what: str, where: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)``, retried on transient errors up to ``retries`` attempts and within
         :data:`RETRY_WINDOW` seconds, with one warning at the first retry (the last error is raised as it is)."""
-        return self._retrier(what, where)(fn, *args, **kwargs)
+        try:
+            out = self._retrier(what, where)(fn, *args, **kwargs)
+        except Exception as e:
+            self._note_outcome(e)
+            raise
+        self._note_outcome(None)
+        return out
+
+    @property
+    def down(self) -> bool:
+        """Whether the store looks down: a call ended on a transient error (after its retries) and none has
+        succeeded since."""
+        return self._down_since is not None
+
+    @contextlib.contextmanager
+    def best_effort(self) -> Iterator[None]:
+        """Calls made inside (on this thread) that a job can lose without harm (a journal note, the lease's
+        release): while the store is :attr:`down`, one attempt each instead of a retry window, so that a job whose
+        storage hangs ends after one window, not one per such write.
+
+        Example:
+            >>> s = Storage("memory://doc/best-effort")
+            >>> with s.best_effort():
+            ...     s.write_bytes("journal/note.json", b"{}")
+            >>> s.down
+            False
+        """
+        self._best_effort.once = self.down
+        try:
+            yield
+        finally:
+            self._best_effort.once = False
+
+    def _note_outcome(self, error: BaseException | None) -> None:
+        if error is None:
+            if self._down_since is not None:
+                self._down_since = None
+        elif is_transient(error):
+            self._down_since = time.monotonic()
 
     def _retrier(self, what: str, where: str) -> tenacity.Retrying:
         def warn_once(rs: tenacity.RetryCallState) -> None:
@@ -446,9 +487,10 @@ class Storage:
                             e if e is None or str(e) else _describe(e), plural(self.retries, "attempt"),
                             human_seconds(RETRY_WINDOW))
 
+        attempts = 1 if getattr(self._best_effort, "once", False) else max(1, self.retries)
         return tenacity.Retrying(
             retry=tenacity.retry_if_exception(is_transient),
-            stop=tenacity.stop_after_attempt(max(1, self.retries)) | tenacity.stop_before_delay(RETRY_WINDOW),
+            stop=tenacity.stop_after_attempt(attempts) | tenacity.stop_before_delay(RETRY_WINDOW),
             wait=tenacity.wait_random_exponential(multiplier=self.backoff, max=10),
             before_sleep=warn_once,
             reraise=True,
@@ -461,11 +503,14 @@ class Storage:
     def _call(self, what: str, rel: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         retrier, start = self._retrier(what, self.url_of(rel)), time.monotonic()
         try:
-            return retrier(fn, *args, **kwargs)
+            out = retrier(fn, *args, **kwargs)
         except Exception as e:
+            self._note_outcome(e)
             attempts = retrier.statistics.get("attempt_number", 1)
             tried = f"{plural(attempts, 'attempt')} in {human_seconds(time.monotonic() - start)}"
             raise storage_error(f"{what} {self.url_of(rel)}", e, tried=tried) from e
+        self._note_outcome(None)
+        return out
 
     # -- primitives ----------------------------------------------------------------------------
     def ensure_root(self) -> None:

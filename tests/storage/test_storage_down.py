@@ -313,3 +313,40 @@ def test_s3_connections_limit_silence_beside_the_users_connector_args():
     theirs = {"config_kwargs": {"connector_args": {"socket_factory": socket.socket}}}
     assert client_retries.single_attempt_options("s3", theirs)["config_kwargs"]["connector_args"] == {
         "socket_factory": socket.socket}
+
+
+def test_a_job_whose_store_hangs_ends_after_one_retry_window_not_one_per_bookkeeping_write(monkeypatch, caplog):
+    """A real S3 server stopped (SIGSTOP) while a job runs: its save fails after one retry window, and its exit
+    (the journal's ``save_failed`` event and progress note, the lease's release) must not wait a full window for
+    each write on storage known to be down. Before: each did (helper-42: the SaveError seen at 69 s reached the
+    user at 207 s). Now, once a call has run out of its window, each of those writes makes one attempt until a
+    call succeeds again."""
+    monkeypatch.setattr(client_retries, "S3_SILENCE_TIMEOUT", 1.0)
+    monkeypatch.setattr(storage_module, "RETRY_WINDOW", 3.0)
+    from ft_checkpoint import CheckpointManager
+    from ft_checkpoint.errors import SaveError
+    from tests.helpers.toy import make, train_step
+
+    server = servers.start("s3")
+    try:
+        server.make_bucket("bucket")
+        options = {**server.storage_options, "config_kwargs": {"read_timeout": 1, "connect_timeout": 1}}
+        state = make()
+        caplog.set_level(logging.WARNING, logger="ft_checkpoint")
+        manager = CheckpointManager("s3://bucket/run", storage_options=options, interval=1)
+        manager.save(1, state, block=True)
+        server.proc.send_signal(signal.SIGSTOP)
+        train_step(state)
+        hung, outcome = run_for_a_while(lambda: manager.save(2, state, block=True))
+        assert not hung and len(outcome) == 1 and isinstance(outcome[0], SaveError), outcome
+        hung, outcome = run_for_a_while(lambda: manager.close(clean=False))
+        assert not hung, outcome
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+        server.stop()
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(re.search(r"still failing after [2-9] attempts", line) for line in lines), lines  # the save's window
+    bookkeeping = [line for line in lines if line.startswith(("could not write journal", "could not release"))]
+    failed = next(i for i, line in enumerate(bookkeeping) if "journal event save_failed" in line)
+    after = [line for line in bookkeeping[failed:] if "still failing after" in line]
+    assert len(after) >= 2 and all("still failing after 1 attempt in" in line for line in after), bookkeeping
