@@ -205,6 +205,8 @@ class Lease:
         self._lost: str | None = None
         self._confirmed = -math.inf
         """When (``time.monotonic``) this process last saw the lease as this attempt's own."""
+        self._quiet_until = -math.inf
+        """Until when (``time.monotonic``) the owner taken over may still write on its last sight of the lease."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -234,6 +236,8 @@ class Lease:
             raise LeaseError(f"another job took the checkpoint lease {self.url} at the same moment. HINT: give "
                              "each job its own dirpath")
         self._confirmed = time.monotonic()
+        if seen.exists and not self._owner_gone(seen):
+            self._quiet_until = self._confirmed + self.recent
         self._thread = threading.Thread(target=self._beat, name="ft-checkpoint-lease", daemon=True)
         self._thread.start()
 
@@ -278,6 +282,35 @@ class Lease:
             self._confirm()
         if self._lost is not None:
             raise LeaseError(self._lost)
+
+    def wait_out_previous_owner(self) -> None:
+        """Before this job's first write into a step directory: wait until the owner it took over, unless that one
+        is known to be gone, can no longer write on the strength of its last sight of the lease (:attr:`recent`
+        seconds after the takeover). A launcher restart or a forced takeover does not wait for a stale heartbeat:
+        the old process may still be alive (a node that stood still), and would write its files, checked against a
+        sight of the lease from before the takeover, into the step this job commits. At once when nothing was
+        taken over, when the owner ran on this host and its process is gone, and from the second save on.
+
+        Example:
+            >>> from ft_checkpoint.store.storage import Storage
+            >>> lease = Lease(Storage("memory://doc/quiet"), attempt="a")
+            >>> lease.acquire()                          # nobody's lease was taken over: nothing to wait for
+            >>> lease.wait_out_previous_owner(); lease.release()
+        """
+        left = self._quiet_until - time.monotonic()
+        if left > 0:
+            log.warning("waiting %.0f s before this job's first save: the job whose checkpoint lease it took over "
+                        "may still be alive, and may write for that long on its last sight of the lease", left)
+            time.sleep(left)
+
+    def _owner_gone(self, seen: _Seen) -> bool:
+        """Whether the owner of ``seen`` is known to write no more: this attempt or this process, or a process of
+        this host that is gone."""
+        current, me = seen.record, self.owner
+        if current is None:
+            return False
+        return current["attempt"] == me["attempt"] or (current["host"] == me["host"] and (
+            current["pid"] == me["pid"] or not _pid_alive(current["pid"])))
 
     def _confirm(self) -> None:
         """Read the lease: note the moment it is still ours, or lose it."""

@@ -55,6 +55,7 @@ class SaveEvents:
         self.journal.record("save_started", step=stats.step, stall=stats.stall, background=True)
 
     def check_writable(self, stats: SaveStats) -> None:
+        self.lease.wait_out_previous_owner()  # a job taken over that may still be alive: see there
         self.lease.check_owned()  # a job that lost the directory to another stops writing there
 
     def writable_confirmed(self) -> None:

@@ -470,3 +470,54 @@ def test_a_hung_writer_taken_over_never_writes_over_the_step_the_new_owner_commi
         state = {"w": torch.zeros(1000), "note": ""}
         assert again.resume(state) == 4, "the new owner's step 4 was written over"
         assert state["note"] == "new owner" and bool((state["w"] == -4.0).all())
+
+
+QUICK_ZOMBIE = ZOMBIE_WRITER.replace("property(lambda self: 0.5)", "property(lambda self: 10.0)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "takeover"), [("local", "launcher restart"), ("local", "force"),
+                                                ("s3", "launcher restart")])
+def test_a_writer_taken_over_without_waiting_for_its_heartbeat_never_writes_over_the_new_owner_s_step(
+        kind, takeover, request, tmp_path, monkeypatch):
+    """A launcher restart (a higher restart counter of the same job id) or a forced takeover does not wait for the
+    old owner's heartbeat to go stale: the old process may still be alive. Here it hangs (SIGSTOP) in the save of
+    step 4, its directory cleared, and wakes right after the new owner committed its own step 4, less than the
+    10 s (30 s by default) that its last sight of the lease is good for. Before: it wrote its files over that step
+    (helper-43, local disk and S3, core, Lightning and Accelerate): the newest step no longer verified, and with
+    keep_last=1 a resume started from scratch. Now the new owner's first save waits out those seconds."""
+    import torch
+
+    from ft_checkpoint import CheckpointManager
+    from ft_checkpoint.run.lease import Lease
+    from tests.conftest import _make_backend
+
+    monkeypatch.setattr(Lease, "recent", property(lambda self: 10.0))
+    backend = _make_backend(kind, request, tmp_path)
+    url, options = backend.url, backend.storage_options
+    job = {"FT_CHECKPOINT_RUN_ID": "job-7", "TORCHELASTIC_RESTART_COUNT": "0"} if takeover != "force" else {}
+    env = {**os.environ, **(backend.server.env() if backend.server else {}), **job}
+    proc = subprocess.Popen([sys.executable, "-c", QUICK_ZOMBIE.format(root=ROOT, url=url, options=json.dumps(options))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "STOPPED"
+        for name, value in job.items():
+            monkeypatch.setenv(name, "1" if name == "TORCHELASTIC_RESTART_COUNT" else value)
+        with CheckpointManager(url, interval=2, keep_last=1, force_takeover=takeover == "force",
+                               storage_options=options) as new:
+            state = {"w": torch.zeros(1000), "note": ""}
+            assert new.resume(state) == 2 and state["note"] == "zombie"
+            new.save(4, {"w": torch.full((1000,), -4.0), "note": "new owner"}, block=True)
+            new.wait(retention=True)
+            proc.send_signal(signal.SIGCONT)  # while the new owner still runs
+            _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0 and "LeaseError" in err, err[-2000:]
+    with CheckpointManager(url, interval=2, force_takeover=True, storage_options=options) as again:
+        state = {"w": torch.zeros(1000), "note": ""}
+        assert again.resume(state) == 4, "the new owner's step 4 was written over"
+        assert state["note"] == "new owner" and bool((state["w"] == -4.0).all())
