@@ -465,6 +465,85 @@ def test_a_hung_writer_taken_over_never_writes_over_the_step_the_new_owner_commi
             proc.send_signal(signal.SIGCONT)
             proc.kill()
             proc.wait()
+    print("ZOMBIE ERR", err[-3000:])
+    assert proc.returncode != 0 and "LeaseError" in err, err[-2000:]
+    with CheckpointManager(url, interval=2, force_takeover=True, storage_options=options) as again:
+        state = {"w": torch.zeros(1000), "note": ""}
+        assert again.resume(state) == 4, "the new owner's step 4 was written over"
+        assert state["note"] == "new owner" and bool((state["w"] == -4.0).all())
+
+
+FROZEN_MID_UPLOAD = """
+import json, os, signal, sys, time
+sys.path.insert(0, {root!r})
+import torch
+from ft_checkpoint import CheckpointManager
+from ft_checkpoint.run.lease import Lease
+Lease.recent = property(lambda self: 0.5)  # a sight of the lease is good for 0.5 s here (30 s by default)
+def freeze(request, **kwargs):
+    if request.url.endswith("step_000000000004/__0_0.distcp"):
+        print("STOPPED", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen in the upload: the fence passed, the PUT not yet at the server
+        time.sleep(0.5)  # the stop lands on every thread a moment later: the PUT leaves only after it
+def hook(phase, step):
+    if (phase, step) == ("writing", 4):
+        ckpt.storage.fs.s3.meta.events.register("before-send.s3.PutObject", freeze)
+with CheckpointManager({url!r}, interval=2, keep_last=1, storage_options=json.loads({options!r})) as ckpt:
+    ckpt.engine.phase_hook = hook
+    for step in (2, 4):
+        ckpt.maybe_save(step, {{"w": torch.full((1000,), float(step)), "note": "zombie"}})
+    ckpt.wait()
+"""
+
+
+def _frozen_mid_upload(s3_server, request, tmp_path):
+    """A real job saving into a bucket of the S3 server, frozen (SIGSTOP) in the PUT of its step 4's data file."""
+    from tests.conftest import _make_backend
+
+    backend = _make_backend("s3", request, tmp_path)
+    script = FROZEN_MID_UPLOAD.format(root=ROOT, url=backend.url, options=json.dumps(backend.storage_options))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **s3_server.env()})
+    assert proc.stdout.readline().strip() == "STOPPED"
+    return backend, proc
+
+
+def _wake(proc: subprocess.Popen) -> str:
+    """SIGCONT the frozen job and wait for it to end; its stderr."""
+    time.sleep(1.0)  # the hang outlasts the 0.5 s a sight of the lease is good for (a takeover waits 120 s)
+    proc.send_signal(signal.SIGCONT)
+    _, err = proc.communicate(timeout=120)
+    return err
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.slow
+def test_an_upload_in_flight_when_its_job_froze_never_lands_over_the_new_owners_committed_step(s3_server, request,
+                                                                                               tmp_path):
+    """A real job freezes (SIGSTOP) in the S3 upload of step 4's data file, past the check of its lease; another job
+    takes the directory over and commits its own step 4 (retention deletes step 2); then the frozen job wakes and its
+    upload completes. Before: it landed over the new owner's committed data file; the step no longer verified, and
+    with step 2 deleted a resume started from scratch (the red team's two-rank runs on S3, 2 of 2). Now a step's files
+    are created with ``If-None-Match: *``: the late upload is refused, and its job stops on its lost lease."""
+    import torch
+
+    backend, proc = _frozen_mid_upload(s3_server, request, tmp_path)
+    url, options = backend.url, backend.storage_options
+    try:
+        with CheckpointManager(url, interval=2, keep_last=1, force_takeover=True, storage_options=options) as new:
+            state = {"w": torch.zeros(1000), "note": ""}
+            assert new.resume(state) == 2 and state["note"] == "zombie"
+            new.save(4, {"w": torch.full((1000,), -4.0), "note": "new owner"}, block=True)
+            new.wait(retention=True)
+            err = _wake(proc)  # while the new owner still runs
+    finally:
+        _stop(proc)
     assert proc.returncode != 0 and "LeaseError" in err, err[-2000:]
     with CheckpointManager(url, interval=2, force_takeover=True, storage_options=options) as again:
         state = {"w": torch.zeros(1000), "note": ""}
