@@ -32,6 +32,10 @@ class StorageNotFoundError(StorageError, FileNotFoundError):
     """The bucket, directory or object does not exist."""
 
 
+class StorageExistsError(StorageError, FileExistsError):
+    """A file that had to be new was there already (on S3, a create refused by ``If-None-Match: *``)."""
+
+
 class StoragePermissionError(StorageError, PermissionError):
     """Credentials are missing or do not allow the operation."""
 

@@ -50,6 +50,7 @@ from ft_checkpoint.errors import (
     ConfigError,
     FTCheckpointError,
     StorageError,
+    StorageExistsError,
     StorageNotFoundError,
     StoragePermissionError,
 )
@@ -113,6 +114,9 @@ _DIRECTORY_PROTOCOLS = frozenset({"memory", "sftp", "ssh", "hdfs", "webhdfs", "a
 """Filesystems besides local disk whose directories are real, removed with ``rmdir`` once emptied. An object
 store's ``rmdir`` deletes the bucket or container (gcsfs, s3fs, adlfs given one) or nothing: never called there."""
 _EXTRAS = {"gs": "gcs", "gcs": "gcs", "s3": "s3", "s3a": "s3"}
+_CONFLICT = "ConditionalRequestConflict"
+"""S3's answer (409) to a create (``If-None-Match: *``) while another upload of the same name completes (its 412 for an
+object there already comes from s3fs as ``FileExistsError``)."""
 
 
 SPARSE_MIN_BYTES = 64 << 20
@@ -236,6 +240,22 @@ def _status(e: BaseException) -> int | None:
     return status if isinstance(status, int) else None
 
 
+def already_exists(exc: BaseException) -> bool:
+    """Whether ``exc`` says that a file created exclusively was there already (``FileExistsError``, which s3fs raises
+    for S3's 412 to ``If-None-Match: *``; or S3's 409 for a concurrent upload of the same name).
+
+    Example:
+        >>> already_exists(FileExistsError("step/a.bin")), already_exists(FileNotFoundError("step/a.bin"))
+        (True, False)
+    """
+    for e in _chain(exc):
+        response = getattr(e, "response", None)
+        code = (response.get("Error") or {}).get("Code") if isinstance(response, dict) else None
+        if isinstance(e, FileExistsError) or code == _CONFLICT:
+            return True
+    return False
+
+
 def _denied(exc: BaseException) -> bool:
     """A permission error, as Python, an HTTP status (401, 403) or gcsfs's ``OSError("Forbidden: ...")`` says it."""
     return any(isinstance(e, PermissionError) or _status(e) in _DENIED_STATUS
@@ -328,6 +348,9 @@ def storage_error(where: str, e: Exception, *, tried: str = "1 attempt") -> Exce
     if cause is not None:
         return StorageError(f"{where}: {cause} ({error}). HINT: check the URL and endpoint_url in the storage "
                             "options, and that the storage service runs and this machine reaches it")
+    if already_exists(e):
+        return StorageExistsError(f"{where}: already exists ({error}); it was to be created new. HINT: another writer "
+                                  "created it: a job that lost this directory (see the lease), or an earlier try")
     if isinstance(e, FileNotFoundError):
         return StorageNotFoundError(f"{where}: not found ({e}). HINT: check the URL, and that the bucket or directory exists")
     if _denied(e):
@@ -413,6 +436,11 @@ class Storage:
         protocols = _protocols(self.fs)
         self.is_local = bool(protocols & _LOCAL_PROTOCOLS)
         self._stores_crc32c = bool(protocols & {"gs", "gcs"})  # GCS keeps a CRC-32C of every object
+        self.exclusive_creates = bool(protocols & {"s3", "s3a"})
+        """Whether a write with ``exclusive=True`` is refused over an object that exists (S3's ``If-None-Match: *``;
+        s3fs sends it on a one-request upload and on the completion of a multipart one). Elsewhere such a write
+        replaces what is there, as any write does: GCS could (``ifGenerationMatch=0``), but its emulator ignores
+        preconditions, so that could not be tested; local disk needs none (see ``fence``)."""
         self._bucketed = bool(protocols & _BUCKET_PROTOCOLS)
         self._has_directories = self.is_local or isinstance(self.fs, LocalFileSystem) or bool(
             protocols & _DIRECTORY_PROTOCOLS)  # a LocalFileSystem under another name: faulty:// (tests)
@@ -525,25 +553,31 @@ class Storage:
                 raise StorageNotFoundError(
                     f"bucket {bucket!r} of {self.url} does not exist. HINT: create it first, or fix the URL") from None
 
-    def write_bytes(self, rel: str, data: bytes, *, atomic: bool = True, made: DirectoryId | None = None) -> None:
+    def write_bytes(self, rel: str, data: bytes, *, atomic: bool = True, made: DirectoryId | None = None,
+                    exclusive: bool = False) -> None:
         """Write one object whole, durably. On local disk atomically (tmp + fsync + rename + directory fsync);
         with ``atomic=False`` in place (one fsync): for a file inside a step, which no reader sees before the
         step's manifest (written atomically, after it) makes the step and its directory entries durable.
         Never through a link (see :meth:`open_write`); ``made`` (with ``atomic``): what :meth:`make_directory`
         returned for the directory of ``rel`` (CheckpointCorruptError, nothing written, if that name refers to
         another directory now). On an object store the store's CRC-32C of our upload is compared with ours (see
-        :meth:`_check_stored`)."""
+        :meth:`_check_stored`). ``exclusive``: StorageExistsError, nothing written, if ``rel`` exists already, where
+        the store can tell (:attr:`exclusive_creates`)."""
         if not self.is_local:
-            self._call("write", rel, self._put, rel, data)
+            self._call("write", rel, self._put, rel, data, exclusive)
         elif atomic:
             self._call("write", rel, nofollow.replace_file, self.root, rel, data, url=self.url_of(rel),
                        fsync=self.fsync, made=made)
         else:
             self.write_views(rel, [memoryview(data)])
 
-    def _put(self, rel: str, data: bytes) -> None:
-        response = self.fs.pipe_file(self.path(rel), data)
+    def _put(self, rel: str, data: bytes, exclusive: bool = False) -> None:
+        response = self.fs.pipe_file(self.path(rel), data, **self._create(exclusive))
         self._check_stored(rel, len(data), crc32c_of(data), response)
+
+    def _create(self, exclusive: bool) -> dict[str, str]:
+        """The ``pipe_file`` option of an exclusive write (see :attr:`exclusive_creates`)."""
+        return {"mode": "create"} if exclusive and self.exclusive_creates else {}
 
     def _check_stored(self, rel: str, size: int, crc: int, response: Any = None) -> None:
         """Where the store keeps its own CRC-32C of an object (GCS), compare it with ours: end-to-end integrity of
@@ -586,16 +620,18 @@ class Storage:
         return self._call("create directory", rel, nofollow.make_directory, self.root, rel, url=self.url_of(rel))
 
     @contextlib.contextmanager
-    def open_write(self, rel: str, *, direct: bool = False) -> Iterator[Any]:
+    def open_write(self, rel: str, *, direct: bool = False, exclusive: bool = False) -> Iterator[Any]:
         """A file to write ``rel`` into, created or truncated (not retried: retry the whole file). On local
         disk an unbuffered file (each ``write`` goes straight to the OS, releasing the GIL), fsynced on close;
         with ``direct``, opened with ``O_DIRECT`` where the filesystem allows it: the bytes go from the
         caller's memory to the disk without a copy into the page cache (every write must then be aligned
         to :data:`DIRECT_ALIGN` in address, length and file offset). On local disk never through a link: the
         directories on the way are opened without following one (CheckpointCorruptError if one is a link),
-        and the file is created afresh (a link or a hard link in its place is removed itself, never its target)."""
+        and the file is created afresh (a link or a hard link in its place is removed itself, never its target).
+        ``exclusive``: see :meth:`write_bytes` (raised as the file is closed; an empty file is not checked)."""
         if not self.is_local:
-            with self.fs.open(self.path(rel), "wb", block_size=PART_SIZE) as f:
+            mode = "xb" if exclusive and self.exclusive_creates else "wb"
+            with self.fs.open(self.path(rel), mode, block_size=PART_SIZE) as f:
                 yield f
             return
         with open(nofollow.create_file(self.root, rel, url=self.url_of(rel), direct=direct), "wb", buffering=0) as f:
@@ -604,39 +640,40 @@ class Storage:
                 os.fsync(f.fileno())
 
     def write_views(self, rel: str, views: list[memoryview], *, lengths: list[int] | None = None,
-                    direct: bool = False) -> list[int]:
+                    direct: bool = False, exclusive: bool = False) -> list[int]:
         """Write the buffers ``views``, in order, as the file ``rel`` (fsynced on local disk); returns each
         buffer's CRC-32C (of its first ``lengths[i]`` bytes, if given: the rest is padding), computed over
-        the same memory as it is written (no read-back). ``direct``: see :meth:`open_write`. The whole file
-        is rewritten on a transient error.
+        the same memory as it is written (no read-back). ``direct``: see :meth:`open_write`; ``exclusive``: see
+        :meth:`write_bytes`. The whole file is rewritten on a transient error.
 
         Example:
             >>> s = Storage("memory://doc/views")
             >>> s.write_views("f.bin", [memoryview(b"ab"), memoryview(b"c")]) == [crc32c_of(b"ab"), crc32c_of(b"c")]
             True
         """
-        return self._call("write", rel, self._write_views_once, rel, views, lengths, direct)
+        return self._call("write", rel, self._write_views_once, rel, views, lengths, direct, exclusive)
 
     def _write_views_once(self, rel: str, views: list[memoryview], lengths: list[int] | None,
-                          direct: bool) -> list[int]:
+                          direct: bool, exclusive: bool) -> list[int]:
         if not self.is_local and sum(len(v) for v in views) <= SINGLE_PUT_MAX:
-            return self._put_views(rel, views, lengths)
-        with self.open_write(rel, direct=direct) as f:
+            return self._put_views(rel, views, lengths, exclusive)
+        with self.open_write(rel, direct=direct, exclusive=exclusive) as f:
             crcs = crcs_while_writing(views, lengths or [len(v) for v in views], lambda piece: _write_all(f, piece),
                                       IO_SLICE)
         self._check_unpadded(rel, views, lengths, crcs)
         return crcs
 
-    def _put_views(self, rel: str, views: list[memoryview], lengths: list[int] | None) -> list[int]:
+    def _put_views(self, rel: str, views: list[memoryview], lengths: list[int] | None,
+                   exclusive: bool = False) -> list[int]:
         """One object from the views: joined in a reused buffer for GCS (gcsfs sends a ``bytearray`` as it is),
         into ``bytes`` elsewhere (s3fs took 0.35 s longer to put 200 MB from a ``bytearray``, measured here)."""
         used = lengths or [len(v) for v in views]
         if self._stores_crc32c:
             with self._buffers.joined(views, used) as (data, crcs):
-                response = self.fs.pipe_file(self.path(rel), data)
+                response = self.fs.pipe_file(self.path(rel), data, **self._create(exclusive))
         else:
             crcs = [crc32c_of(v[:n]) for v, n in zip(views, used)]
-            response = self.fs.pipe_file(self.path(rel), b"".join(views))
+            response = self.fs.pipe_file(self.path(rel), b"".join(views), **self._create(exclusive))
         self._check_unpadded(rel, views, lengths, crcs, response)
         return crcs
 
@@ -648,17 +685,17 @@ class Storage:
         if not self.is_local and (lengths is None or lengths == sizes):
             self._check_stored(rel, sum(sizes), combine_all(crcs, sizes), response)
 
-    def write_stream(self, rel: str, produce: Callable[[Any], None]) -> tuple[int, int]:
+    def write_stream(self, rel: str, produce: Callable[[Any], None], *, exclusive: bool = False) -> tuple[int, int]:
         """Write the file ``rel`` with ``produce(f)`` (which writes into ``f``, e.g. ``torch.save(obj, f)``),
         fsynced on local disk; returns ``(size, CRC-32C)``, computed over the bytes as they are written.
-        The whole file is produced again on a transient error.
+        ``exclusive``: see :meth:`open_write`. The whole file is produced again on a transient error.
 
         Example:
             >>> Storage("memory://doc/stream").write_stream("f.bin", lambda f: f.write(b"abc")) == (3, crc32c_of(b"abc"))
             True
         """
         def once() -> tuple[int, int]:
-            with self.open_write(rel) as f:
+            with self.open_write(rel, exclusive=exclusive) as f:
                 counted = _CountingWriter(f)
                 produce(counted)
             if not self.is_local:

@@ -6,7 +6,13 @@ import fsspec
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
-from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, StorageError, StorageNotFoundError
+from ft_checkpoint.errors import (
+    CheckpointCorruptError,
+    ConfigError,
+    StorageError,
+    StorageExistsError,
+    StorageNotFoundError,
+)
 from ft_checkpoint.format import layout
 from ft_checkpoint.store.storage import Storage, is_transient
 
@@ -41,6 +47,32 @@ def test_a_file_larger_than_its_listed_size_is_refused_and_never_read_whole(stor
             storage.read_bytes("a.bin", size=size)
     if not storage.is_local:
         assert received == [101, 10_000_000]
+
+
+def test_an_exclusive_write_never_replaces_an_object_on_s3_and_writes_as_usual_elsewhere(storage, monkeypatch):
+    """A step's files are created with ``exclusive=True`` (see ``store.fence``). On S3 (``If-None-Match: *``) such a
+    write over an object that exists is refused with StorageExistsError and leaves the object as it was, whether
+    the file goes in one request, in parts (the completion is what is conditional) or streamed; a new name is
+    written. Elsewhere it writes as any write does."""
+    from ft_checkpoint.store import storage as storage_module
+
+    monkeypatch.setattr(storage_module, "SINGLE_PUT_MAX", 1 << 20)
+    monkeypatch.setattr(storage_module, "PART_SIZE", 5 << 20)  # S3's smallest part: 6 MiB go in two
+    writes = {
+        "bytes.bin": lambda data: storage.write_bytes("bytes.bin", data, atomic=False, exclusive=True),
+        "manifest.json": lambda data: storage.write_bytes("manifest.json", data, exclusive=True),
+        "parts.bin": lambda data: storage.write_views("parts.bin", [memoryview(data * (6 << 20))], exclusive=True),
+        "stream.bin": lambda data: storage.write_stream("stream.bin", lambda f: f.write(data), exclusive=True),
+    }
+    for name, write in writes.items():
+        write(b"1")
+        if storage.exclusive_creates:
+            with pytest.raises(StorageExistsError, match=f"{name}: already exists"):
+                write(b"2")
+        else:
+            write(b"2")
+        assert storage.read_bytes(name)[:1] == (b"1" if storage.exclusive_creates else b"2"), name
+    assert storage.exclusive_creates == storage.url.startswith("s3://")
 
 
 def test_listdir_and_sizes(storage):
