@@ -64,6 +64,7 @@ from ft_checkpoint.errors import CheckpointCorruptError, SaveError
 from ft_checkpoint.format import layout, tensor_metadata
 from ft_checkpoint.progress import Progress
 from ft_checkpoint.store import checksum
+from ft_checkpoint.store.fence import Fence, write_fenced
 from ft_checkpoint.store.storage import IO_SLICE, Storage, padded
 
 log = logging.getLogger(__name__)
@@ -116,9 +117,10 @@ def narrow(t: torch.Tensor, offsets: Any, sizes: Any) -> torch.Tensor:
 class Sink(Protocol):
     """Where a shard file's bytes are written: in this process, or by a writer process."""
 
-    def write(self, rel: str, tensors: list[torch.Tensor], *, slots: bool) -> list[int]:
+    def write(self, rel: str, tensors: list[torch.Tensor], *, slots: bool, exclusive: bool = False) -> list[int]:
         """Write the tensors' bytes, in order, as the file ``rel``; one CRC-32C per tensor (of its bytes).
-        With ``slots`` each tensor is a staging-arena slot, written whole (padded to pages, ``O_DIRECT``)."""
+        With ``slots`` each tensor is a staging-arena slot, written whole (padded to pages, ``O_DIRECT``);
+        ``exclusive``: created, never written over (see ``Storage.write_bytes``)."""
 
     def sync_dir(self, rel: str) -> None:
         """Make the directory entries in ``rel`` durable."""
@@ -138,13 +140,13 @@ class ThreadSink:
     def __init__(self, storage: Storage, priority: int = 0) -> None:
         self.storage, self.priority = storage, priority
 
-    def write(self, rel: str, tensors: list[torch.Tensor], *, slots: bool = False) -> list[int]:
+    def write(self, rel: str, tensors: list[torch.Tensor], *, slots: bool = False, exclusive: bool = False) -> list[int]:
         set_thread_priority(self.priority)
         plain = [_plain(t) for t in tensors]  # kept alive while their bytes are written
         lengths = [t.numel() * t.element_size() for t in plain]
         views = [address_view(t.data_ptr(), padded(n)) for t, n in zip(plain, lengths)] if slots else \
             [byte_view(t) for t in plain]
-        return self.storage.write_views(rel, views, lengths=lengths, direct=slots)
+        return self.storage.write_views(rel, views, lengths=lengths, direct=slots, exclusive=exclusive)
 
     def sync_dir(self, rel: str) -> None:
         self.storage.sync_dir(rel)
@@ -167,8 +169,8 @@ class ShardWriter(StorageWriter):
         rank: This process's rank (names its files).
         writers: Files (and parallel writers) per rank.
         sinks: Where each file's bytes go (one per writer; default: this process).
-        before_file: Called before each file is written (and may raise to stop the write): the engine's check
-            that the job still holds the directory (see ``SaveListener.check_still_writable``).
+        fence: The engine's checks that the job still holds the directory, around each file (see ``store.fence``);
+            None: files are written as they come, over anything in their place.
 
     On the coordinator, after the save :attr:`files` holds ``{name: FileEntry}`` of every data file and
     of ``metadata.json``, for the manifest.
@@ -176,10 +178,10 @@ class ShardWriter(StorageWriter):
 
     def __init__(self, storage: Storage, rel: str, *, rank: int, writers: int = 1,
                  sinks: list[Sink] | None = None, arena: Slots | None = None,
-                 before_file: Callable[[], None] | None = None) -> None:
+                 fence: Fence | None = None) -> None:
         super().__init__()
         self.storage, self.rel, self.rank, self.writers = storage, rel, rank, max(1, writers)
-        self.before_file = before_file
+        self.fence = fence
         self.sinks: list[Sink] = sinks or [ThreadSink(storage)]
         self.arena = arena
         self.files: dict[str, layout.FileEntry] = {}
@@ -221,9 +223,8 @@ class ShardWriter(StorageWriter):
         # On local disk, tensors staged in the arena are written as whole page-aligned slots, with O_DIRECT:
         # no copy into the page cache. The zero padding between them is part of the file and of its CRC.
         slots = self.storage.is_local and self.arena is not None and all(self.arena.contains(t) for t in tensors)
-        if self.before_file is not None:
-            self.before_file()
-        crcs = sink.write(f"{self.rel}/{name}", tensors, slots=slots)
+        rel = f"{self.rel}/{name}"
+        crcs = write_fenced(self.fence, rel, lambda exclusive: sink.write(rel, tensors, slots=slots, exclusive=exclusive))
         results, offset = [], 0
         for item, tensor, crc in zip(items, tensors, crcs):
             nbytes = tensor.numel() * tensor.element_size()
@@ -238,9 +239,9 @@ class ShardWriter(StorageWriter):
         written = [r.storage_data for per_rank in results for r in per_rank]
         chunks = {r.index: r.storage_data.chunk for per_rank in results for r in per_rank}
         data = tensor_metadata.dump(_tensors(metadata, chunks))
-        if self.before_file is not None:
-            self.before_file()
-        self.storage.write_bytes(f"{self.rel}/{layout.METADATA}", data, atomic=False)
+        rel = f"{self.rel}/{layout.METADATA}"
+        write_fenced(self.fence, rel, lambda exclusive: self.storage.write_bytes(rel, data, atomic=False,
+                                                                                 exclusive=exclusive))
         self.files = _file_entries(written)
         self.files[layout.METADATA] = layout.FileEntry(size=len(data), checksum=layout.checksum([data]))
 

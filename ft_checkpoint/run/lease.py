@@ -312,6 +312,19 @@ class Lease:
         return current["attempt"] == me["attempt"] or (current["host"] == me["host"] and (
             current["pid"] == me["pid"] or not _pid_alive(current["pid"])))
 
+    def check_now(self) -> None:
+        """Raise LeaseError unless ``lease.json`` names this attempt now (always reads it): any rank, when a file its
+        save creates is there already (see ``store.fence``), before it deletes that file.
+
+        Raises:
+            LeaseError: the lease is another job's now, or was removed.
+            StorageError: ``lease.json`` could not be read.
+        """
+        if self._lost is None:
+            self._confirm()
+        if self._lost is not None:
+            raise LeaseError(self._lost)
+
     def _confirm(self) -> None:
         """Read the lease: note the moment it is still ours, or lose it."""
         seen = self._read()

@@ -62,6 +62,7 @@ from ft_checkpoint.save.staging import Stager
 from ft_checkpoint.save.writer_process import ProcessSink, WriterProcess
 from ft_checkpoint.state import split_tree
 from ft_checkpoint.store import checksum, retry
+from ft_checkpoint.store.fence import Fence, write_fenced
 from ft_checkpoint.store.nofollow import DirectoryId
 from ft_checkpoint.store.storage import Storage
 
@@ -112,6 +113,10 @@ class SaveListener(Protocol):
     def check_still_writable(self) -> None:
         """Every rank, before each file of the step it writes; raising (LeaseError) stops the write there. A
         process that stood still since the check (SIGSTOP, a VM paused) may find another job writing the step."""
+
+    def confirm_writable(self) -> None:
+        """Every rank, when a file of the step it creates is there already (S3), before it deletes that file: read
+        the lease now; raising (LeaseError) stops the write there (see ``store.fence``)."""
 
     def on_commit(self, stats: SaveStats) -> None:
         """After the commit (every rank)."""
@@ -354,7 +359,7 @@ class CheckpointEngine:
                     listener: SaveListener | None) -> int | None:
         g, step, rel = self.groups, stats.step, layout.step_dir(stats.step)
         made = self._agree(step, lambda: self._clear(stats, listener) if g.rank == 0 else None)
-        fence = listener.check_still_writable if listener is not None else None
+        fence = None if listener is None else Fence(self.storage, listener.check_still_writable, listener.confirm_writable)
         if listener is not None:
             listener.writable_confirmed()
         self.phase("writing", step)
@@ -365,7 +370,7 @@ class CheckpointEngine:
         _check_replicated([p for _, p, _ in shared])
         own = _unique_files([f for _, _, f in shared])
         writer = shards.ShardWriter(self.storage, rel, rank=g.rank, writers=self.writers, sinks=self._sinks(),
-                                    arena=self._stager.arena, before_file=fence)
+                                    arena=self._stager.arena, fence=fence)
         dcp.save(tensors, storage_writer=writer, process_group=g.writer, no_dist=not g.distributed)
         self.phase("data_written", step)
         lazy = staged.get("lazy")
@@ -373,8 +378,8 @@ class CheckpointEngine:
                                                           for k in c})):
             return None  # every rank abandons the step: one rank's torn snapshot is the step's
         files = {**writer.files, **{name: entry for (name, entry), _, _ in shared}, **own}
-        return self._agree(step, lambda: self._commit(stats, files, fields, listener, made) if g.rank == 0 else None,
-                           gather=True)[0]
+        return self._agree(step, lambda: self._commit(stats, files, fields, listener, made, fence) if g.rank == 0
+                           else None, gather=True)[0]
 
     def _clear(self, stats: SaveStats, listener: SaveListener | None) -> DirectoryId | None:
         """Rank 0: delete what an interrupted save of this step left behind (a link planted in its place: the link,
@@ -388,9 +393,9 @@ class CheckpointEngine:
         return self.storage.make_directory(layout.step_dir(stats.step))
 
     def _commit(self, stats: SaveStats, files: dict[str, layout.FileEntry], fields: dict[str, Any],
-                listener: SaveListener | None, made: DirectoryId | None) -> int:
+                listener: SaveListener | None, made: DirectoryId | None, fence: Fence | None) -> int:
         """Rank 0: write the manifest, last, in one object, into the step directory that ``_clear`` made (``made``:
-        not one swapped in since). Every rank learns the outcome (see ``_agree``)."""
+        not one swapped in since), through the ``fence``. Every rank learns the outcome (see ``_agree``)."""
         manifest = layout.Manifest(step=stats.step, world_size=self.groups.world_size, files=files,
                                    versions=versions(), **fields)
         if self.signer is not None:
@@ -398,7 +403,8 @@ class CheckpointEngine:
         if listener is not None:
             listener.check_writable(stats)
         self.phase("committing", stats.step)
-        self.storage.write_bytes(f"{layout.step_dir(stats.step)}/{layout.MANIFEST}", manifest.to_json(), made=made)
+        rel, data = f"{layout.step_dir(stats.step)}/{layout.MANIFEST}", manifest.to_json()
+        write_fenced(fence, rel, lambda exclusive: self.storage.write_bytes(rel, data, made=made, exclusive=exclusive))
         self.phase("committed", stats.step)
         return manifest.total_bytes
 
@@ -445,8 +451,7 @@ class CheckpointEngine:
         """The writer processes' pids (``writer="process"``, once a save started them)."""
         return [p.pid for p in self._processes]
 
-    def _write_rank_file(self, rel: str, data: bytes,
-                         fence: Callable[[], None] | None = None) -> tuple[str, layout.FileEntry]:
+    def _write_rank_file(self, rel: str, data: bytes, fence: Fence | None = None) -> tuple[str, layout.FileEntry]:
         try:
             torch.load(io.BytesIO(data), weights_only=True)
         except Exception as e:
@@ -454,9 +459,9 @@ class CheckpointEngine:
                 f"the non-tensor part of the state cannot be loaded safely (weights_only): {e}. HINT: keep "
                 "only tensors, numbers, strings, lists, tuples and dicts in state (convert other objects)") from e
         name = layout.rank_file(self.groups.rank)
-        if fence is not None:
-            fence()
-        self.storage.write_bytes(f"{rel}/{name}", data, atomic=False)
+        path = f"{rel}/{name}"
+        write_fenced(fence, path, lambda exclusive: self.storage.write_bytes(path, data, atomic=False,
+                                                                             exclusive=exclusive))
         return name, layout.FileEntry(size=len(data), checksum=layout.checksum([data]))
 
 FileWriter = Callable[[Any], None]
@@ -464,17 +469,17 @@ FileWriter = Callable[[Any], None]
 
 
 def write_own_files(storage: Storage, rel: str, files: Mapping[str, FileWriter],
-                    fence: Callable[[], None] | None = None) -> dict[str, layout.FileEntry]:
+                    fence: Fence | None = None) -> dict[str, layout.FileEntry]:
     """Write a rank's files of its own (see :meth:`CheckpointEngine.save`) into ``rel``: their manifest entries.
-    ``fence()`` is called before each (see :meth:`SaveListener.check_still_writable`)."""
+    Each through the ``fence`` (see ``store.fence``)."""
     out = {}
     for name, produce in files.items():
         if not layout.is_plain_name(name) or _reserved(name):
             raise ConfigError(f"a state's own file may not be named {name!r}: use a plain name that is not "
                               "one of ft-checkpoint's (manifest.json, metadata.json, rank_*.pt, *.distcp)")
-        if fence is not None:
-            fence()
-        size, crc = storage.write_stream(f"{rel}/{name}", produce)
+        path = f"{rel}/{name}"
+        size, crc = write_fenced(fence, path, lambda exclusive: storage.write_stream(path, produce,  # noqa: B023
+                                                                                     exclusive=exclusive))
         out[name] = layout.FileEntry(size=size, checksum=checksum.format_crc(crc))
     return out
 

@@ -64,6 +64,9 @@ class SaveEvents:
     def check_still_writable(self) -> None:
         self.lease.check_recent()  # reads lease.json only after a long stand-still (see Lease.check_recent)
 
+    def confirm_writable(self) -> None:
+        self.lease.check_now()
+
     def on_commit(self, stats: SaveStats) -> None:
         """On the writer thread, after a commit: journal, log, retention (rank 0)."""
         self.last_committed = stats.step

@@ -37,7 +37,7 @@ import sys
 import threading
 from typing import IO, Any
 
-from ft_checkpoint.errors import SaveError, StorageError
+from ft_checkpoint.errors import SaveError, StorageError, StorageExistsError
 from ft_checkpoint.store.storage import DIRECT_ALIGN, Storage, is_transient
 
 log = logging.getLogger(__name__)
@@ -95,10 +95,11 @@ class WriterProcess:
         return self.proc.pid
 
     def write(self, rel: str, ranges: list[tuple[int, int]], *, lengths: list[int] | None = None,
-              direct: bool = False) -> list[int]:
+              direct: bool = False, exclusive: bool = False) -> list[int]:
         """Write the arena's byte ``ranges`` (offset, length), in order, as the file ``rel``; their CRC-32Cs
-        (of their first ``lengths`` bytes, if given). ``direct``: ``O_DIRECT`` (aligned ranges)."""
-        return self._request("write", rel, ranges, lengths, direct)
+        (of their first ``lengths`` bytes, if given). ``direct``: ``O_DIRECT`` (aligned ranges); ``exclusive``:
+        created, never written over (StorageExistsError: see ``Storage.write_bytes``)."""
+        return self._request("write", rel, ranges, lengths, direct, exclusive)
 
     def sync_dir(self, rel: str) -> None:
         self._request("sync_dir", rel)
@@ -118,7 +119,8 @@ class WriterProcess:
         if answer[0] == "error":
             _, kind, message, transient = answer
             cause = ConnectionError(message) if transient else None
-            raise StorageError(f"writer process: {kind}: {message}") from cause
+            error = StorageExistsError if kind == StorageExistsError.__name__ else StorageError
+            raise error(f"writer process: {kind}: {message}") from cause
         return answer[1]
 
     @property
@@ -155,20 +157,20 @@ class ProcessSink:
     def __init__(self, process: WriterProcess, arena_base: int, arena_size: int, fallback: Any) -> None:
         self.process, self.base, self.size, self.fallback = process, arena_base, arena_size, fallback
 
-    def write(self, rel: str, tensors: list[Any], *, slots: bool = False) -> list[int]:
+    def write(self, rel: str, tensors: list[Any], *, slots: bool = False, exclusive: bool = False) -> list[int]:
         ranges, lengths = [], []
         for t in tensors:
             offset, n = t.data_ptr() - self.base, t.numel() * t.element_size()
             extent = -(-n // DIRECT_ALIGN) * DIRECT_ALIGN if slots else n
             if t.device.type != "cpu" or not t.is_contiguous() or not 0 <= offset <= offset + extent <= self.size:
-                return self.fallback.write(rel, tensors, slots=slots)
+                return self.fallback.write(rel, tensors, slots=slots, exclusive=exclusive)
             ranges.append((offset, extent))
             lengths.append(n)
         try:
-            return self.process.write(rel, ranges, lengths=lengths, direct=slots)
+            return self.process.write(rel, ranges, lengths=lengths, direct=slots, exclusive=exclusive)
         except WriterDied as e:
             log.warning("%s; this save writes %s in the training process instead", e, rel)
-            return self.fallback.write(rel, tensors, slots=slots)
+            return self.fallback.write(rel, tensors, slots=slots, exclusive=exclusive)
 
     def sync_dir(self, rel: str) -> None:
         try:
@@ -190,9 +192,9 @@ def _serve(inp: IO[bytes], out: IO[bytes]) -> None:
     while (msg := recv(inp)) is not None:
         try:
             if msg[0] == "write":
-                _, rel, ranges, lengths, direct = msg
+                _, rel, ranges, lengths, direct, exclusive = msg
                 result: Any = storage.write_views(rel, [arena[o:o + n] for o, n in ranges], lengths=lengths,
-                                                  direct=direct)
+                                                  direct=direct, exclusive=exclusive)
             else:
                 storage.sync_dir(msg[1])
                 result = None

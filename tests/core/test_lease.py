@@ -600,3 +600,37 @@ def test_a_writer_taken_over_without_waiting_for_its_heartbeat_never_writes_over
         state = {"w": torch.zeros(1000), "note": ""}
         assert again.resume(state) == 4, "the new owner's step 4 was written over"
         assert state["note"] == "new owner" and bool((state["w"] == -4.0).all())
+
+
+@pytest.mark.slow
+def test_an_upload_that_lands_between_the_new_owners_clear_and_its_own_write_is_deleted_and_written_again(
+        s3_server, request, tmp_path, caplog):
+    """The frozen job of the test above wakes while the new owner saves step 4, after its clear of the step and before
+    its data file: the late upload lands first. The new owner's create of that file is then refused; it finds the
+    lease its own, deletes the file with a warning naming it, writes its own, and commits."""
+    import torch
+
+    backend, proc = _frozen_mid_upload(s3_server, request, tmp_path)
+    url, options = backend.url, backend.storage_options
+    errors: list[str] = []
+
+    def wake_the_frozen_job(phase: str, step: int) -> None:
+        if (phase, step) == ("writing", 4):  # the new owner cleared step 4 and writes nothing before this returns
+            errors.append(_wake(proc))
+
+    try:
+        with CheckpointManager(url, interval=2, keep_last=1, force_takeover=True, storage_options=options) as new:
+            state = {"w": torch.zeros(1000), "note": ""}
+            assert new.resume(state) == 2
+            new.engine.phase_hook = wake_the_frozen_job
+            new.save(4, {"w": torch.full((1000,), -4.0), "note": "new owner"}, block=True)
+            new.wait(retention=True)
+    finally:
+        _stop(proc)
+    assert proc.returncode != 0 and "LeaseError" in errors[0], errors[0][-2000:]
+    assert any(r.levelname == "WARNING" and "step_000000000004/__0_0.distcp was there already" in r.getMessage()
+               for r in caplog.records), caplog.text
+    with CheckpointManager(url, interval=2, force_takeover=True, storage_options=options) as again:
+        state = {"w": torch.zeros(1000), "note": ""}
+        assert again.resume(state) == 4
+        assert state["note"] == "new owner" and bool((state["w"] == -4.0).all())
