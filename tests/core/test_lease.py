@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from contextlib import contextmanager
@@ -634,3 +636,96 @@ def test_an_upload_that_lands_between_the_new_owners_clear_and_its_own_write_is_
         state = {"w": torch.zeros(1000), "note": ""}
         assert again.resume(state) == 4
         assert state["note"] == "new owner" and bool((state["w"] == -4.0).all())
+
+
+TWO_RANKS = """
+import json, os, signal, sys, time
+sys.path.insert(0, {root!r})
+import torch
+import torch.distributed as dist
+from ft_checkpoint import CheckpointManager
+from ft_checkpoint.run.lease import Lease
+Lease.recent = property(lambda self: 0.5)  # a sight of the lease is good for 0.5 s here (30 s by default)
+dist.init_process_group("gloo")
+def freeze(request, **kwargs):
+    if "step_000000000004/__" in request.url and request.url.endswith(".distcp"):
+        print("STOPPED", os.getpid(), flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)  # each rank frozen in the upload of its data file of step 4
+        time.sleep(0.5)
+def hook(phase, step):
+    if (phase, step) == ("writing", 4) and sys.argv[1] == "zombie":
+        ckpt.storage.fs.s3.meta.events.register("before-send.s3.PutObject", freeze)
+with CheckpointManager({url!r}, interval=2, keep_last=1, force_takeover=sys.argv[1] == "owner",
+                       storage_options=json.loads({options!r})) as ckpt:
+    ckpt.engine.phase_hook = hook
+    mark = -1.0 if sys.argv[1] == "owner" else 1.0
+    state = {{"a": torch.zeros(100_000), "b": torch.zeros(100_000)}}
+    for step in ((4,) if ckpt.resume(state) == 2 else (2, 4)):
+        ckpt.maybe_save(step, {{"a": torch.full((100_000,), mark * step), "b": torch.full((100_000,), mark * step)}})
+    ckpt.wait(retention=True)
+"""
+
+
+def _frozen_ranks(output: list[str], n: int, timeout: float = 120.0) -> list[int]:
+    """The pids in the job's lines ``STOPPED <pid>``, once there are ``n`` (AssertionError with the output if not
+    within ``timeout`` seconds)."""
+    deadline = time.monotonic() + timeout
+    while len(pids := [int(line.split()[1]) for line in list(output) if line.startswith("STOPPED ")]) < n:
+        assert time.monotonic() < deadline, f"{len(pids)} of {n} ranks froze:\n{''.join(output)[-3000:]}"
+        time.sleep(0.1)
+    return pids
+
+
+def _end_job(job: subprocess.Popen, stopped: list[int]) -> None:
+    """Wake the ranks still stopped, then end the job (its launcher and its ranks) if it still runs."""
+    for pid in stopped:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    if job.poll() is None:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        job.kill()
+        job.wait()
+
+
+@pytest.mark.slow
+def test_two_ranks_frozen_in_their_uploads_never_land_over_the_step_a_two_rank_owner_committed(s3_server, request,
+                                                                                               tmp_path):
+    """The red team's run: a two-rank job freezes (SIGSTOP) with each rank in the S3 upload of its data file of step
+    4; another two-rank job takes the directory over, resumes from step 2 and commits its own step 4 (retention
+    deletes step 2); then the frozen ranks wake. Before, their uploads landed over the new owner's data files and a
+    resume started from scratch (2 of 2 runs); now they are refused."""
+    import torch
+
+    from ft_checkpoint.testing import jobs
+    from tests.conftest import _make_backend
+
+    backend = _make_backend("s3", request, tmp_path)
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS.format(root=ROOT, url=backend.url, options=json.dumps(backend.storage_options)))
+    env = s3_server.env()
+    zombie = jobs.start(str(script), "zombie", launcher="torchrun", nproc=2, env=env, stderr=subprocess.STDOUT)
+    output: list[str] = []
+
+    def read() -> None:
+        for line in zombie.stdout:
+            output.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        pids = _frozen_ranks(output, 2)
+        jobs.run(str(script), "owner", launcher="torchrun", nproc=2, env=env, timeout=300).expect(0)
+        time.sleep(1.0)  # the hang outlasts the 0.5 s a sight of the lease is good for (a takeover waits 120 s)
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        zombie.wait(timeout=120)
+        reader.join(timeout=10)
+    finally:
+        _end_job(zombie, _frozen_ranks(output, 0))
+    assert zombie.returncode != 0 and "LeaseError" in "".join(output), "".join(output)[-3000:]
+    with CheckpointManager(backend.url, interval=2, force_takeover=True, storage_options=backend.storage_options) as m:
+        state = {"a": torch.zeros(100_000), "b": torch.zeros(100_000)}
+        assert m.resume(state) == 4, "the new owner's step 4 was written over"
+        assert bool((state["a"] == -4.0).all()) and bool((state["b"] == -4.0).all())
