@@ -11,9 +11,10 @@ may be saving the same step. Two checks keep the old job from writing over the n
   (LeaseError); the owner deletes what it found (the late upload of the job it took over, landed after its clear of
   the step, or an earlier try of its own write that landed before a retry) and writes once more, with a warning.
 
-Elsewhere nothing is in flight to land late: on local disk the old job writes into files the new owner's clear of the
-step unlinked; GCS could refuse a late upload (``ifGenerationMatch=0``) but its emulator ignores preconditions, so an
-upload in flight there may still complete (README, limits).
+A late upload of a name the new owner does not write (a rank of a larger job) finds nothing there and lands beside
+the new owner's files. On local disk a late write goes into a file the new owner's clear of the step unlinked. GCS
+could refuse a late upload (``ifGenerationMatch=0``), but its emulator ignores preconditions, so it is not asked to:
+an upload in flight there may still land over the new owner's file (README, the lease paragraph).
 
 Example:
     >>> from ft_checkpoint.store.storage import Storage
