@@ -441,9 +441,7 @@ def test_a_hung_writer_taken_over_never_writes_over_the_step_the_new_owner_commi
     the newest step no longer verified, and with step 2 deleted a resume started from scratch (the red team's run
     on S3, GCS and local disk). Now a writer that saw its lease too long ago reads it again before each file, finds
     it lost and writes nothing more."""
-    import torch
 
-    from ft_checkpoint import CheckpointManager
     from tests.conftest import _make_backend
 
     backend = _make_backend(kind, request, tmp_path)
@@ -452,22 +450,32 @@ def test_a_hung_writer_taken_over_never_writes_over_the_step_the_new_owner_commi
     env = {**os.environ, **(backend.server.env() if backend.server else {})}
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
+    # the hang outlasts the 0.5 s a sight of the lease is good for (a takeover waits 120 s)
+    new_owner_commits_step_4_then_the_zombie_wakes(proc, url, options, force=True, pause=1.0)
+
+
+def new_owner_commits_step_4_then_the_zombie_wakes(proc: subprocess.Popen, url: str, options: dict, *, force: bool,
+                                                  pause: float) -> None:
+    """The zombie (``ZOMBIE_WRITER``) stopped in its save of step 4: a new owner takes the directory over, resumes step
+    2, commits its own step 4 (retention deletes step 2); ``pause`` seconds later the zombie wakes while the new owner
+    still runs. Then the zombie must have failed on its lost lease, and a resume must load the new owner's step 4."""
+    import torch
+
     try:
         assert proc.stdout.readline().strip() == "STOPPED"
-        with CheckpointManager(url, interval=2, keep_last=1, force_takeover=True, storage_options=options) as new:
+        with CheckpointManager(url, interval=2, keep_last=1, force_takeover=force, storage_options=options) as new:
             state = {"w": torch.zeros(1000), "note": ""}
             assert new.resume(state) == 2 and state["note"] == "zombie"
             new.save(4, {"w": torch.full((1000,), -4.0), "note": "new owner"}, block=True)
             new.wait(retention=True)
-            time.sleep(1.0)  # the hang outlasts the 0.5 s a sight of the lease is good for (a takeover waits 120 s)
-            proc.send_signal(signal.SIGCONT)  # while the new owner still runs
+            time.sleep(pause)
+            proc.send_signal(signal.SIGCONT)
             _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGCONT)
             proc.kill()
             proc.wait()
-    print("ZOMBIE ERR", err[-3000:])
     assert proc.returncode != 0 and "LeaseError" in err, err[-2000:]
     with CheckpointManager(url, interval=2, force_takeover=True, storage_options=options) as again:
         state = {"w": torch.zeros(1000), "note": ""}
@@ -567,10 +575,7 @@ def test_a_writer_taken_over_without_waiting_for_its_heartbeat_never_writes_over
     10 s (30 s by default) that its last sight of the lease is good for. Before: it wrote its files over that step
     (helper-43, local disk and S3, core, Lightning and Accelerate): the newest step no longer verified, and with
     keep_last=1 a resume started from scratch. Now the new owner's first save waits out those seconds."""
-    import torch
 
-    from ft_checkpoint import CheckpointManager
-    from ft_checkpoint.run.lease import Lease
     from tests.conftest import _make_backend
 
     monkeypatch.setattr(Lease, "recent", property(lambda self: 10.0))
@@ -580,28 +585,9 @@ def test_a_writer_taken_over_without_waiting_for_its_heartbeat_never_writes_over
     env = {**os.environ, **(backend.server.env() if backend.server else {}), **job}
     proc = subprocess.Popen([sys.executable, "-c", QUICK_ZOMBIE.format(root=ROOT, url=url, options=json.dumps(options))],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        assert proc.stdout.readline().strip() == "STOPPED"
-        for name, value in job.items():
-            monkeypatch.setenv(name, "1" if name == "TORCHELASTIC_RESTART_COUNT" else value)
-        with CheckpointManager(url, interval=2, keep_last=1, force_takeover=takeover == "force",
-                               storage_options=options) as new:
-            state = {"w": torch.zeros(1000), "note": ""}
-            assert new.resume(state) == 2 and state["note"] == "zombie"
-            new.save(4, {"w": torch.full((1000,), -4.0), "note": "new owner"}, block=True)
-            new.wait(retention=True)
-            proc.send_signal(signal.SIGCONT)  # while the new owner still runs
-            _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGCONT)
-            proc.kill()
-            proc.wait()
-    assert proc.returncode != 0 and "LeaseError" in err, err[-2000:]
-    with CheckpointManager(url, interval=2, force_takeover=True, storage_options=options) as again:
-        state = {"w": torch.zeros(1000), "note": ""}
-        assert again.resume(state) == 4, "the new owner's step 4 was written over"
-        assert state["note"] == "new owner" and bool((state["w"] == -4.0).all())
+    for name, value in job.items():  # this process is the launcher's next start of the same job
+        monkeypatch.setenv(name, "1" if name == "TORCHELASTIC_RESTART_COUNT" else value)
+    new_owner_commits_step_4_then_the_zombie_wakes(proc, url, options, force=takeover == "force", pause=0.0)
 
 
 @pytest.mark.slow
