@@ -33,7 +33,9 @@ check is made depends on the store:
   owner's lease at its own next check (its next heartbeat, or the check before its next commit) and
   stops, so one of the two keeps writing. (GCS could fence with ``ifGenerationMatch``, but gcsfs
   2026.10 passes no precondition but ``ifGenerationMatch=0`` on writes, and the GCS emulator the tests
-  run against ignores preconditions altogether, so that path could not be tested.)
+  run against ignores preconditions altogether, so that path could not be tested.) On local disk a lease
+  where there was none is created, never written over one (the complete file hard-linked to its name): of two
+  jobs starting at once on an empty directory, exactly one gets it and the other is refused at once.
 
 :meth:`Lease.release` removes ``lease.json`` only if it still names this attempt (read, compare, delete
 on every store), and never after the lease was lost.
@@ -79,7 +81,13 @@ import time
 import uuid
 from typing import Any
 
-from ft_checkpoint.errors import CheckpointCorruptError, LeaseError, StorageError, StorageNotFoundError
+from ft_checkpoint.errors import (
+    CheckpointCorruptError,
+    LeaseError,
+    StorageError,
+    StorageExistsError,
+    StorageNotFoundError,
+)
 from ft_checkpoint.store import jsonfile
 from ft_checkpoint.store.storage import Entry, Storage
 
@@ -452,14 +460,11 @@ class Lease:
         """Write our lease over ``seen``: on S3 only if the object is still what was read."""
         if seen.exists and seen.record is None:
             self._make_way()
-        if self.fencing != "etag":
-            self._put()
-            return
         try:
-            if seen.etag is not None:
+            if self.fencing == "etag" and seen.etag is not None:
                 self._put(if_match=seen.etag)
-            else:
-                self._put(if_none_match=True)
+            else:  # a lease where there was none is created: of two jobs starting at once, one gets it
+                self._put(if_none_match=self.fencing == "etag" or not seen.exists)
         except _Changed:
             raise LeaseError(f"{self.url} changed while this job was taking it over: another job started at the "
                              "same moment. HINT: give each job its own dirpath") from None
@@ -476,7 +481,13 @@ class Lease:
     def _put(self, *, if_match: str | None = None, if_none_match: bool = False) -> None:
         """Write our lease; with a condition (S3), raise _Changed if it does not hold."""
         if self.fencing != "etag":  # a takeover may replace it at once: the CRC compared is our upload's (_check_stored)
-            self.storage.write_bytes(LEASE, self._body())
+            try:
+                if if_none_match:  # local disk: refused if it exists (a hard link); elsewhere a plain write
+                    self.storage.create_new(LEASE, self._body())
+                else:
+                    self.storage.write_bytes(LEASE, self._body())
+            except StorageExistsError:
+                raise _Changed() from None
             return
         cond = {"IfMatch": if_match} if if_match else {"IfNoneMatch": "*"} if if_none_match else {}
         path = self.storage.path(LEASE)

@@ -197,11 +197,13 @@ def _create(directory: int, name: str, url: str, flags: int = 0) -> int:
                                      "this directory?); nothing is written through it") from None
 
 
-def replace_file(root: str, rel: str, data: bytes, *, url: str, fsync: bool, made: DirectoryId | None = None) -> None:
+def replace_file(root: str, rel: str, data: bytes, *, url: str, fsync: bool, made: DirectoryId | None = None,
+                 exclusive: bool = False) -> None:
     """Write ``data`` as ``root/rel`` atomically: into a new file beside it, renamed over its name, all relative
     to its directory opened (or made) without following a link (see :func:`create_file`). ``made``: what
     :func:`make_directory` returned for that directory; CheckpointCorruptError, nothing written, if its name
-    refers to another directory now (swapped since).
+    refers to another directory now (swapped since). ``exclusive``: linked to its name instead of renamed over it,
+    FileExistsError if the name exists (of two writers, one wins; a file system without hard links: renamed).
 
     Example:
         >>> import tempfile
@@ -222,13 +224,27 @@ def replace_file(root: str, rel: str, data: bytes, *, url: str, fsync: bool, mad
                 f.flush()
                 if fsync:
                     os.fsync(f.fileno())
-            os.replace(tmp, name, src_dir_fd=directory, dst_dir_fd=directory)
+            _put_in_place(directory, tmp, name, exclusive)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp, dir_fd=directory)
             raise
         if fsync:
             os.fsync(directory)
+
+
+def _put_in_place(directory: int, tmp: str, name: str, exclusive: bool) -> None:
+    """Give the complete file ``tmp`` the ``name``: renamed over it, or (``exclusive``) linked, never replacing one."""
+    if exclusive:
+        try:
+            os.link(tmp, name, src_dir_fd=directory, dst_dir_fd=directory, follow_symlinks=False)
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+                raise  # FileExistsError among them
+        else:
+            os.unlink(tmp, dir_fd=directory)
+            return
+    os.replace(tmp, name, src_dir_fd=directory, dst_dir_fd=directory)
 
 
 def make_directory(root: str, rel: str, *, url: str) -> DirectoryId:

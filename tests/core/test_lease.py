@@ -715,3 +715,43 @@ def test_two_ranks_frozen_in_their_uploads_never_land_over_the_step_a_two_rank_o
         state = {"a": torch.zeros(100_000), "b": torch.zeros(100_000)}
         assert m.resume(state) == 4, "the new owner's step 4 was written over"
         assert bool((state["a"] == -4.0).all()) and bool((state["b"] == -4.0).all())
+
+
+RACER = """
+import json, sys, time
+sys.path.insert(0, {root!r})
+from ft_checkpoint.errors import LeaseError
+from ft_checkpoint.run.lease import Lease
+from ft_checkpoint.store.storage import Storage
+prefix, trials, me, start = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+for i in range(trials):
+    lease = Lease(Storage(f"{{prefix}}/t{{i}}"), attempt=f"{{me}}-{{i}}")
+    while time.time() < start + i * 0.3:
+        pass  # both processes start trial i at the same moment
+    try:
+        lease.acquire()
+        print(i, "owns", flush=True)
+    except LeaseError as e:
+        print(i, "refused", "at the same moment" in str(e) or "another job is writing" in str(e), flush=True)
+    time.sleep(0.1)
+    lease._stop.set()
+"""
+
+
+@pytest.mark.slow
+def test_two_jobs_starting_at_once_on_an_empty_local_directory_never_both_own_it(tmp_path):
+    """Two processes take the lease of one empty local directory at the same moment, 30 times. Before: both read
+    "no lease", both wrote theirs (the second over the first) and both read their own back: 7 of 40 trials gave two
+    owners (helper-43), and the loser trained until its next heartbeat or save, then stopped with a message blaming a
+    stale heartbeat. Now a new lease is created, never written over one (a hard link of the complete file): exactly
+    one owns the directory, the other is refused at once with an error that says why."""
+    trials = 30
+    start = time.time() + 3  # both started and imported by then
+    procs = [subprocess.Popen([sys.executable, "-c", RACER.format(root=ROOT), str(tmp_path), str(trials), who,
+                               str(start)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for who in "AB"]
+    outcomes = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outcomes]
+    lines = [dict(line.split(" ", 1) for line in out.splitlines()) for out, _ in outcomes]
+    owners = [sum(lines[k][str(i)] == "owns" for k in range(2)) for i in range(trials)]
+    assert owners == [1] * trials, f"trials with two owners: {[i for i, n in enumerate(owners) if n != 1]}"
+    assert all(v in ("owns", "refused True") for both in lines for v in both.values()), lines
