@@ -461,6 +461,8 @@ class StepCheck:
     why), ``"not checked"`` (signed, no key given), ``"none"`` (unsigned, no key given); None: no manifest."""
     mismatched: list[str] = dataclasses.field(default_factory=list)
     """The files (by name) whose bytes do not match the manifest's checksum of the whole file."""
+    gone: bool = False
+    """The step was deleted while it was checked (a running job's retention, or ``gc``): neither intact nor corrupt."""
     loads: bool | None = None
     """Whether a resume loads the step despite its problems (``ft-checkpoint verify`` works it out for a step whose
     only problem is data files whose bytes outside every tensor changed); None: not worked out (a resume loads a
@@ -482,7 +484,7 @@ class StepCheck:
 
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "ok": self.ok, "resume_loads": self.resume_loads, "files": self.files,
-                "bytes": self.bytes, "signature": self.signature, "problems": list(self.problems)}
+                "bytes": self.bytes, "signature": self.signature, "problems": list(self.problems), "gone": self.gone}
 
     @property
     def resume_loads(self) -> bool:

@@ -205,17 +205,25 @@ def check_step(storage: Storage, step: int, *, on_bytes: OnBytes | None = None,
         >>> check_step(Storage("memory://doc/check"), 7).problems
         ['memory://doc/check/step_000000000007/manifest.json is missing']
     """
-    check = layout.check_step(storage, step, checksums=lambda name: not tensor_metadata.is_data_file(name),
-                              on_bytes=on_bytes, signer=signer)  # the data files: below, with their tensors
     try:
-        _check_data_files(storage, check, _tensor_chunks(storage, check), on_bytes)
-        _check_rank_files(storage, check)
-    except CheckpointCorruptError as e:
-        check.problems.append(str(e))
+        check = layout.check_step(storage, step, checksums=lambda name: not tensor_metadata.is_data_file(name),
+                                  on_bytes=on_bytes, signer=signer)  # the data files: below, with their tensors
+        try:
+            _check_data_files(storage, check, _tensor_chunks(storage, check), on_bytes)
+            _check_rank_files(storage, check)
+        except CheckpointCorruptError as e:
+            check.problems.append(str(e))
+    except StorageNotFoundError as e:  # a file listed a moment ago is gone
+        if layout.MANIFEST in storage.sizes(layout.step_dir(step)):
+            raise
+        check = StepCheck(step=step, gone=True, problems=[f"{GONE} ({e})"])
     prefix = storage.url_of(layout.step_dir(step))
     check.problems = [p if p.startswith(prefix) else f"{prefix}/{p}" if _names_a_file(p) else f"{prefix}: {p}"
                       for p in check.problems]
     return check
+
+
+GONE = "deleted while it was checked: a running job's retention, or gc, removed it"
 
 
 Chunks = dict[str, list[tuple[str, tensor_metadata.ChunkEntry]]]
@@ -278,7 +286,8 @@ def _data_file_problem(storage: Storage, check: StepCheck, name: str, size: int,
     CRC-32C, from one pass over it (``checksum.check_in_ranges``)."""
     assert check.manifest is not None
     rel = f"{layout.step_dir(check.step)}/{name}"
-    ends = sorted({e for _, c in chunks for e in (c.offset, c.offset + c.length)} - {0})
+    ends = sorted({e for _, c in chunks if c.length for e in (c.offset, c.offset + c.length)} - {0})  # an empty
+    # chunk holds no bytes: wherever it lies (inside another's, in a forged file), it splits no range
     try:
         whole_ok, crcs = checksum.check_in_ranges(check.manifest.files[name].checksum,
                                                   layout.reported(storage.iter_chunks(rel, size=size), on_bytes), ends)

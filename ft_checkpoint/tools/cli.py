@@ -411,16 +411,29 @@ def cmd_verify(args: argparse.Namespace) -> int:
              [f"{storage.url}: no committed step to verify (a resume would start fresh)"])
         return 1
     sizes = {i.step: i.bytes for i in listing.steps}
+    import ft_checkpoint.state  # noqa: F401 - torch, for the rank files: imported before the progress clock starts
     with Progress("verifying", sum(sizes.get(s, 0) for s in steps)) as progress:
         checks = [check_step(storage, s, on_bytes=progress.update, signer=signer) for s in steps]
-    ok = all(c.ok for c in checks)
-    lines = []
+        for _ in range(3):  # the newest step, deleted as it was checked by a running job's retention: its successor
+            newest = [] if args.all or args.step is not None or not checks[-1].gone else \
+                select_steps(list_checkpoints(storage, signer=signer))
+            if not newest or newest[-1] <= checks[-1].step:
+                break
+            checks.append(check_step(storage, newest[-1], on_bytes=progress.update, signer=signer))
+    gone = [c for c in checks if c.gone]
+    checks = [c for c in checks if not c.gone]
+    ok = bool(checks) and all(c.ok for c in checks)
+    lines = [f"step {c.step}: deleted while it was checked (a running job's retention, or gc)" for c in gone]
     for c in checks:
         lines.append(f"step {c.step}: " + (f"ok ({c.files} files, {human_bytes(c.bytes)}: {_checked(c.signature)})"
                                            if c.ok else "UNVERIFIED" if c.signature == REFUSED else
                                            "CORRUPT outside its tensors (a resume loads it)" if c.resume_loads else
                                            "CORRUPT"))
         lines += [f"  {p}" for p in c.problems]
+    if not checks:
+        emit(args, {"url": storage.url, "ok": False, "steps": [c.to_dict() for c in gone]},
+             lines + ["nothing verified: every step was deleted as it was checked. HINT: run it again"])
+        return 1
     bad = [c.step for c in checks if not c.ok]
     skipped = [c.step for c in checks if not c.resume_loads]
     loaded = sorted(set(bad) - set(skipped))
@@ -432,7 +445,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                                  f"{', '.join(map(str, loaded))} (every tensor's bytes match their checksums; bytes "
                                  "outside them changed: check the storage)"] if loaded else []))
                  + ("" if args.all else ". HINT: 'ft-checkpoint verify --all' checks the others"))
-    emit(args, {"url": storage.url, "ok": ok, "steps": [c.to_dict() for c in checks]}, lines)
+    emit(args, {"url": storage.url, "ok": ok, "steps": [c.to_dict() for c in gone + checks]}, lines)
     return 0 if ok else 1
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from ft_checkpoint.format import layout
 from ft_checkpoint.format.layout import UNLISTED
-from tests.cli.conftest import HANG_AT, INTERVAL, SCRIPT, STEPS, TIMEOUT, cli, cli_json, run_in_terminal
+from tests.cli.conftest import HANG_AT, INTERVAL, ROOT, SCRIPT, STEPS, TIMEOUT, cli, cli_json, run_in_terminal
 
 DISTCP = "__0_0.distcp"
 
@@ -360,3 +360,37 @@ def test_verify_says_whether_a_resume_loads_a_step_whose_damage_is_outside_its_t
     assert cli_json("verify", url, rc=1)["steps"][0]["resume_loads"] is False
     with CheckpointManager(url, interval=1) as ckpt:
         assert ckpt.resume(state()) == 4  # what verify said: skipped
+
+
+LIVE_JOB = """
+import sys, time
+sys.path.insert(0, {root!r})
+import torch
+from ft_checkpoint import CheckpointManager
+state = {{"w": torch.zeros(20000)}}
+with CheckpointManager({url!r}, interval=1, keep_last=1) as ckpt:
+    print("RUNNING", flush=True)
+    for step in range(1, 100000):
+        state["w"] += 1
+        ckpt.save(step, state, block=True)
+        time.sleep(0.02)
+"""
+
+
+@pytest.mark.slow
+def test_verify_and_gc_on_a_directory_a_running_job_saves_to(tmp_path):
+    """A real job commits a step every few milliseconds with keep_last=1, its retention deleting the step before.
+    Before: ``verify`` and ``gc`` read a file of a step the job deleted meanwhile and stopped with "not found"
+    (exit 2: 19 of 24 commands, helper-43), and gc deleted nothing. Now a step deleted as it is checked is said to be
+    so, ``verify`` checks the newest step after it, and gc goes on."""
+    url = str(tmp_path / "ckpt")
+    job = subprocess.Popen([sys.executable, "-c", LIVE_JOB.format(root=ROOT, url=url)], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        assert job.stdout.readline().strip() == "RUNNING"
+        runs = [cli(command, url, *extra) for _ in range(4) for command, extra in (("verify", ()), ("gc", ("--keep", "1")))]
+    finally:
+        job.kill()
+        job.wait()
+    assert all(r.returncode == 0 for r in runs), [r.stdout + r.stderr for r in runs if r.returncode != 0]
+    assert all("intact" in r.stdout for r in runs[::2]), [r.stdout for r in runs[::2]]

@@ -619,3 +619,21 @@ def test_verify_checks_each_tensor_s_bytes_against_its_own_checksum_in_one_pass(
     assert not check.loads
     plan = plan_gc(s, keep_last=1)
     assert plan.protected == 1 and plan.delete == [], plan
+
+
+def test_verify_lets_an_empty_chunk_lie_anywhere(tmp_path):
+    """An empty chunk (a zero-element tensor) placed inside another tensor's bytes holds no bytes, and a resume loads
+    the step; verify split the other tensor's range there and called it forged (helper-45)."""
+    from ft_checkpoint.tools.catalog import check_step
+
+    url = str(tmp_path / "ckpt")
+    with CheckpointManager(url, interval=1) as ckpt:
+        ckpt.save(1, {"w": torch.arange(1000.0), "e": torch.empty(0)}, block=True)
+    s = Storage(url)
+    rel = f"{layout.step_dir(1)}/{layout.METADATA}"
+    doc = json.loads(s.read_bytes(rel))
+    w = doc["tensors"]["w"]["chunks"][0]
+    doc["tensors"]["e"]["chunks"][0].update(offset=w["offset"] + 400, file=w["file"])
+    replace_with_checksum(s, 1, layout.METADATA, json.dumps(doc).encode())
+    check = check_step(s, 1)
+    assert check.ok, check.problems
