@@ -156,11 +156,12 @@ def _open_regular(path: str, url: str, directory: int | None = None, *, rewrite:
     return fd
 
 
-def create_file(root: str, rel: str, *, url: str, direct: bool = False) -> int:
+def create_file(root: str, rel: str, *, url: str, direct: bool = False, exclusive: bool = False) -> int:
     """A descriptor of ``root/rel`` open for writing, a new empty regular file: the directories on its way are
     opened (or made) without following a link (CheckpointCorruptError naming ``url`` if one is a link or a file),
     and whatever held the name is unlinked first (a link or a hard link is removed itself, never its target).
-    ``direct``: with ``O_DIRECT`` where the filesystem allows it.
+    ``direct``: with ``O_DIRECT`` where the filesystem allows it. ``exclusive``: nothing is unlinked, and
+    FileExistsError if anything holds the name (a save's file that another writer created first: see ``fence``).
 
     Example:
         >>> import tempfile
@@ -173,15 +174,20 @@ def create_file(root: str, rel: str, *, url: str, direct: bool = False) -> int:
     with open_directory(root, parent, url=url, create=True) as directory:
         if direct and _O_DIRECT:
             try:
-                return _create(directory, name, url, _O_DIRECT)
+                return _create(directory, name, url, _O_DIRECT, exclusive=exclusive)
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
                 log.debug("no O_DIRECT for %s (%s): a buffered write", url, e)
-        return _create(directory, name, url)
+                if exclusive:  # the refused open may have made the file, ours: the name was free
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name, dir_fd=directory)
+        return _create(directory, name, url, exclusive=exclusive)
 
 
-def _create(directory: int, name: str, url: str, flags: int = 0) -> int:
+def _create(directory: int, name: str, url: str, flags: int = 0, *, exclusive: bool = False) -> int:
+    if exclusive:
+        return os.open(name, _CREATE | flags, 0o644, dir_fd=directory)  # FileExistsError if the name is taken
     try:
         os.unlink(name, dir_fd=directory)
     except FileNotFoundError:

@@ -436,11 +436,11 @@ class Storage:
         protocols = _protocols(self.fs)
         self.is_local = bool(protocols & _LOCAL_PROTOCOLS)
         self._stores_crc32c = bool(protocols & {"gs", "gcs"})  # GCS keeps a CRC-32C of every object
-        self.exclusive_creates = bool(protocols & {"s3", "s3a"})
-        """Whether a write with ``exclusive=True`` is refused over an object that exists (S3's ``If-None-Match: *``;
-        s3fs sends it on a one-request upload and on the completion of a multipart one). Elsewhere such a write
-        replaces what is there, as any write does: GCS could (``ifGenerationMatch=0``), but its emulator ignores
-        preconditions, so that could not be tested; local disk needs none (see ``fence``)."""
+        self.exclusive_creates = self.is_local or bool(protocols & {"s3", "s3a"})
+        """Whether a write with ``exclusive=True`` is refused over a file that exists (local disk: ``O_EXCL``, or a
+        hard link for an atomic write; S3's ``If-None-Match: *``, which s3fs sends on a one-request upload and on the
+        completion of a multipart one). Elsewhere such a write replaces what is there, as any write does: GCS could
+        (``ifGenerationMatch=0``), but its emulator ignores preconditions, so that could not be tested."""
         self._bucketed = bool(protocols & _BUCKET_PROTOCOLS)
         self._has_directories = self.is_local or isinstance(self.fs, LocalFileSystem) or bool(
             protocols & _DIRECTORY_PROTOCOLS)  # a LocalFileSystem under another name: faulty:// (tests)
@@ -567,9 +567,9 @@ class Storage:
             self._call("write", rel, self._put, rel, data, exclusive)
         elif atomic:
             self._call("write", rel, nofollow.replace_file, self.root, rel, data, url=self.url_of(rel),
-                       fsync=self.fsync, made=made)
+                       fsync=self.fsync, made=made, exclusive=exclusive)
         else:
-            self.write_views(rel, [memoryview(data)])
+            self.write_views(rel, [memoryview(data)], exclusive=exclusive)
 
     def create_new(self, rel: str, data: bytes) -> None:
         """Write ``data`` as the new file ``rel``, whole: StorageExistsError, nothing written, if ``rel`` exists
@@ -581,11 +581,7 @@ class Storage:
             >>> s.create_new("lease.json", b"{}"); s.read_bytes("lease.json")
             b'{}'
         """
-        if self.is_local:
-            self._call("write", rel, nofollow.replace_file, self.root, rel, data, url=self.url_of(rel),
-                       fsync=self.fsync, exclusive=True)
-        else:
-            self.write_bytes(rel, data, exclusive=True)
+        self.write_bytes(rel, data, exclusive=True)
 
     def _put(self, rel: str, data: bytes, exclusive: bool = False) -> None:
         response = self.fs.pipe_file(self.path(rel), data, **self._create(exclusive))
@@ -650,7 +646,8 @@ class Storage:
             with self.fs.open(self.path(rel), mode, block_size=PART_SIZE) as f:
                 yield f
             return
-        with open(nofollow.create_file(self.root, rel, url=self.url_of(rel), direct=direct), "wb", buffering=0) as f:
+        with open(nofollow.create_file(self.root, rel, url=self.url_of(rel), direct=direct, exclusive=exclusive), "wb",
+                  buffering=0) as f:
             yield f
             if self.fsync:
                 os.fsync(f.fileno())

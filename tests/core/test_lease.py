@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import pytest
@@ -455,7 +456,7 @@ def test_a_hung_writer_taken_over_never_writes_over_the_step_the_new_owner_commi
 
 
 def new_owner_commits_step_4_then_the_zombie_wakes(proc: subprocess.Popen, url: str, options: dict, *, force: bool,
-                                                  pause: float) -> None:
+                                                  pause: float, meanwhile: Callable[[], None] = lambda: None) -> None:
     """The zombie (``ZOMBIE_WRITER``) stopped in its save of step 4: a new owner takes the directory over, resumes step
     2, commits its own step 4 (retention deletes step 2); ``pause`` seconds later the zombie wakes while the new owner
     still runs. Then the zombie must have failed on its lost lease, and a resume must load the new owner's step 4."""
@@ -463,6 +464,7 @@ def new_owner_commits_step_4_then_the_zombie_wakes(proc: subprocess.Popen, url: 
 
     try:
         assert proc.stdout.readline().strip() == "STOPPED"
+        meanwhile()
         with CheckpointManager(url, interval=2, keep_last=1, force_takeover=force, storage_options=options) as new:
             state = {"w": torch.zeros(1000), "note": ""}
             assert new.resume(state) == 2 and state["note"] == "zombie"
@@ -755,3 +757,22 @@ def test_two_jobs_starting_at_once_on_an_empty_local_directory_never_both_own_it
     owners = [sum(lines[k][str(i)] == "owns" for k in range(2)) for i in range(trials)]
     assert owners == [1] * trials, f"trials with two owners: {[i for i, n in enumerate(owners) if n != 1]}"
     assert all(v in ("owns", "refused True") for both in lines for v in both.values()), lines
+
+
+@pytest.mark.slow
+def test_a_writer_alive_through_two_takeovers_never_writes_over_the_third_owner_s_step(tmp_path, monkeypatch):
+    """The old job (alive, stopped in its save of step 4) is taken over by force by a second job that ends without
+    saving (its lease released); a third job finds no lease, waits for nothing and commits step 4; the old job wakes
+    within its 10 s (30 s by default) sight of the lease. Before: it wrote its files over the third job's step 4
+    (helper-45, local disk; S3 refused them). Now each file of a save is created, never written over (``O_EXCL``, a
+    hard link for the manifest): the old job's first create meets the new owner's file, it reads the lease and
+    stops."""
+    monkeypatch.setattr(Lease, "recent", property(lambda self: 10.0))
+    url = str(tmp_path / "ckpt")
+    proc = subprocess.Popen([sys.executable, "-c", QUICK_ZOMBIE.format(root=ROOT, url=url, options="{}")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    # once the old job stopped: a second job takes over by force and ends without a save (its lease released)
+    new_owner_commits_step_4_then_the_zombie_wakes(
+        proc, url, {}, force=False, pause=0.0,
+        meanwhile=lambda: CheckpointManager(url, interval=2, force_takeover=True).close())

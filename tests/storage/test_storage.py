@@ -49,11 +49,12 @@ def test_a_file_larger_than_its_listed_size_is_refused_and_never_read_whole(stor
         assert received == [101, 10_000_000]
 
 
-def test_an_exclusive_write_never_replaces_an_object_on_s3_and_writes_as_usual_elsewhere(storage, monkeypatch):
-    """A step's files are created with ``exclusive=True`` (see ``store.fence``). On S3 (``If-None-Match: *``) such a
-    write over an object that exists is refused with StorageExistsError and leaves the object as it was, whether
-    the file goes in one request, in parts (the completion is what is conditional) or streamed; a new name is
-    written. Elsewhere it writes as any write does."""
+def test_an_exclusive_write_never_replaces_a_file_on_local_disk_and_s3_and_writes_as_usual_elsewhere(storage,
+                                                                                                       monkeypatch):
+    """A step's files are created with ``exclusive=True`` (see ``store.fence``). On local disk (``O_EXCL``, a hard
+    link for an atomic write) and S3 (``If-None-Match: *``) such a write over a file that exists is refused with
+    StorageExistsError and leaves the file as it was, whether the file goes in one request, in parts (the
+    completion is what is conditional) or streamed; a new name is written. Elsewhere it writes as any write does."""
     from ft_checkpoint.store import storage as storage_module
 
     monkeypatch.setattr(storage_module, "SINGLE_PUT_MAX", 1 << 20)
@@ -72,7 +73,7 @@ def test_an_exclusive_write_never_replaces_an_object_on_s3_and_writes_as_usual_e
         else:
             write(b"2")
         assert storage.read_bytes(name)[:1] == (b"1" if storage.exclusive_creates else b"2"), name
-    assert storage.exclusive_creates == storage.url.startswith("s3://")
+    assert storage.exclusive_creates == (storage.is_local or storage.url.startswith("s3://"))
 
 
 def test_listdir_and_sizes(storage):
