@@ -5,14 +5,14 @@ may be saving the same step. Two checks keep the old job from writing over the n
 
 - before each file, ``check()`` (the lease seen as the job's own recently, else read again): a job that lost the
   directory stops at its next file;
-- each file is created, never replaced: on local disk with ``O_EXCL`` (the manifest: a hard link of the complete
-  file), on S3 with ``If-None-Match: *`` (``Storage.exclusive_creates``). A job that woke after the new owner wrote
-  a file (an upload already on its way when it froze, which completes when it wakes; or a file it starts because
-  its last sight of the lease looked recent: a rank that stood still before the save's first collective, an old
-  owner taken over twice) is refused. Whoever meets a file already there reads the lease (``confirm()``): the job
-  that lost it stops there (LeaseError); the owner deletes what it found (the late file of the job it took over,
-  landed after its clear of the step, or an earlier try of its own write that landed before a retry) and writes
-  once more, with a warning.
+- each file is created, never replaced: on local disk with ``O_EXCL`` (the manifest is renamed into the directory the
+  save made, see ``Storage.write_bytes``), on S3 with ``If-None-Match: *`` (``Storage.exclusive_creates``). A job that
+  woke after the new owner wrote a file (an upload already on its way when it froze, which completes when it wakes; or
+  a file it starts because its last sight of the lease looked recent: a rank that stood still before the save's first
+  collective, an old owner taken over twice) is refused. Whoever meets a file already there reads the lease
+  (``confirm()``): the job that lost it stops there (LeaseError); the owner deletes what it found (the late file of
+  the job it took over, landed after its clear of the step, or an earlier try of its own write that landed before a
+  retry) and writes once more, with a warning.
 
 A late file of a name the new owner does not write (a rank of a larger job) finds nothing there and lands beside
 the new owner's files: the step is then refused for a file its manifest does not list. GCS could refuse a late

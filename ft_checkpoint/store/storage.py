@@ -437,8 +437,8 @@ class Storage:
         self.is_local = bool(protocols & _LOCAL_PROTOCOLS)
         self._stores_crc32c = bool(protocols & {"gs", "gcs"})  # GCS keeps a CRC-32C of every object
         self.exclusive_creates = self.is_local or bool(protocols & {"s3", "s3a"})
-        """Whether a write with ``exclusive=True`` is refused over a file that exists (local disk: ``O_EXCL``, or a
-        hard link for an atomic write; S3's ``If-None-Match: *``, which s3fs sends on a one-request upload and on the
+        """Whether a write with ``exclusive=True`` is refused over a file that exists (local disk: ``O_EXCL``, but
+        an atomic write is renamed over its name; S3's ``If-None-Match: *``, which s3fs sends on a one-request upload and on the
         completion of a multipart one). Elsewhere such a write replaces what is there, as any write does: GCS could
         (``ifGenerationMatch=0``), but its emulator ignores preconditions, so that could not be tested."""
         self._bucketed = bool(protocols & _BUCKET_PROTOCOLS)
@@ -567,7 +567,7 @@ class Storage:
             self._call("write", rel, self._put, rel, data, exclusive)
         elif atomic:
             self._call("write", rel, nofollow.replace_file, self.root, rel, data, url=self.url_of(rel),
-                       fsync=self.fsync, made=made, exclusive=exclusive)
+                       fsync=self.fsync, made=made)  # renamed, even ``exclusive``: see create_new
         else:
             self.write_views(rel, [memoryview(data)], exclusive=exclusive)
 
@@ -581,7 +581,13 @@ class Storage:
             >>> s.create_new("lease.json", b"{}"); s.read_bytes("lease.json")
             b'{}'
         """
-        self.write_bytes(rel, data, exclusive=True)
+        if self.is_local:  # a hard link, then the temporary name unlinked: a moment with both names (a step's
+            # file must not have one: a listing then would see an unlisted file; the step's files are created in
+            # place, its manifest is renamed into the directory this save made)
+            self._call("write", rel, nofollow.replace_file, self.root, rel, data, url=self.url_of(rel),
+                       fsync=self.fsync, exclusive=True)
+        else:
+            self.write_bytes(rel, data, exclusive=True)
 
     def _put(self, rel: str, data: bytes, exclusive: bool = False) -> None:
         response = self.fs.pipe_file(self.path(rel), data, **self._create(exclusive))

@@ -194,17 +194,21 @@ def select_steps(listing: Listing, *, step: int | None = None, all_steps: bool =
 
 
 def check_step(storage: Storage, step: int, *, on_bytes: OnBytes | None = None,
-               signer: Signer | None = None) -> StepCheck:
+               signer: Signer | None = None, listed: bool = False) -> StepCheck:
     """Check the manifest (with a ``signer``, its signature first), every file's size, kind and checksum, for
     files it does not list, and (format 2) the tensor metadata against the manifest and each tensor's bytes against
     their own checksum, as a resume checks them; collect every problem, each naming the file by its URL. Each
-    file is read once.
+    file is read once. ``listed``: a listing showed the step's manifest moments ago (a step deleted since, e.g. by
+    a running job's retention, is ``gone``, not corrupt; without it, only one that had its manifest when the check
+    began).
 
     Example:
         >>> from ft_checkpoint.store.storage import Storage
         >>> check_step(Storage("memory://doc/check"), 7).problems
         ['memory://doc/check/step_000000000007/manifest.json is missing']
     """
+    rel = layout.step_dir(step)
+    committed = listed or layout.MANIFEST in storage.sizes(rel)  # else a problem is no sign that it went meanwhile
     try:
         check = layout.check_step(storage, step, checksums=lambda name: not tensor_metadata.is_data_file(name),
                                   on_bytes=on_bytes, signer=signer)  # the data files: below, with their tensors
@@ -214,9 +218,11 @@ def check_step(storage: Storage, step: int, *, on_bytes: OnBytes | None = None,
         except CheckpointCorruptError as e:
             check.problems.append(str(e))
     except StorageNotFoundError as e:  # a file listed a moment ago is gone
-        if layout.MANIFEST in storage.sizes(layout.step_dir(step)):
+        if layout.MANIFEST in storage.sizes(rel):
             raise
         check = StepCheck(step=step, gone=True, problems=[f"{GONE} ({e})"])
+    if check.problems and committed and layout.MANIFEST not in storage.sizes(rel):  # deleted, manifest first
+        check = StepCheck(step=step, gone=True, problems=[f"{GONE} ({check.problems[0]})"])
     prefix = storage.url_of(layout.step_dir(step))
     check.problems = [p if p.startswith(prefix) else f"{prefix}/{p}" if _names_a_file(p) else f"{prefix}: {p}"
                       for p in check.problems]
@@ -442,7 +448,7 @@ def newest_verified(storage: Storage, candidates: Iterable[int], on_bytes: OnByt
     """The first of ``candidates`` (newest first) whose manifest, sizes and checksums (and signature, with a
     ``signer``) all check out."""
     for step in candidates:
-        if check_step(storage, step, on_bytes=on_bytes, signer=signer).ok:
+        if check_step(storage, step, on_bytes=on_bytes, signer=signer, listed=True).ok:
             return step
     return None
 

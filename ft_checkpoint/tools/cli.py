@@ -396,6 +396,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    import ft_checkpoint.state  # noqa: F401 - torch, for the rank files: imported before the listing and the progress
     from ft_checkpoint.format.layout import REFUSED
     from ft_checkpoint.tools.catalog import check_step, list_checkpoints, select_steps
 
@@ -411,15 +412,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
              [f"{storage.url}: no committed step to verify (a resume would start fresh)"])
         return 1
     sizes = {i.step: i.bytes for i in listing.steps}
-    import ft_checkpoint.state  # noqa: F401 - torch, for the rank files: imported before the progress clock starts
+    listed = {i.step for i in listing.steps if i.manifest}
     with Progress("verifying", sum(sizes.get(s, 0) for s in steps)) as progress:
-        checks = [check_step(storage, s, on_bytes=progress.update, signer=signer) for s in steps]
+        checks = [check_step(storage, s, on_bytes=progress.update, signer=signer, listed=s in listed) for s in steps]
         for _ in range(3):  # the newest step, deleted as it was checked by a running job's retention: its successor
             newest = [] if args.all or args.step is not None or not checks[-1].gone else \
                 select_steps(list_checkpoints(storage, signer=signer))
             if not newest or newest[-1] <= checks[-1].step:
                 break
-            checks.append(check_step(storage, newest[-1], on_bytes=progress.update, signer=signer))
+            checks.append(check_step(storage, newest[-1], on_bytes=progress.update, signer=signer, listed=True))
     gone = [c for c in checks if c.gone]
     checks = [c for c in checks if not c.gone]
     ok = bool(checks) and all(c.ok for c in checks)

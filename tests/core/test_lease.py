@@ -764,8 +764,8 @@ def test_a_writer_alive_through_two_takeovers_never_writes_over_the_third_owner_
     """The old job (alive, stopped in its save of step 4) is taken over by force by a second job that ends without
     saving (its lease released); a third job finds no lease, waits for nothing and commits step 4; the old job wakes
     within its 10 s (30 s by default) sight of the lease. Before: it wrote its files over the third job's step 4
-    (helper-45, local disk; S3 refused them). Now each file of a save is created, never written over (``O_EXCL``, a
-    hard link for the manifest): the old job's first create meets the new owner's file, it reads the lease and
+    (helper-45, local disk; S3 refused them). Now each file of a save is created, never written over (``O_EXCL``; the
+    manifest goes into the directory the save made): the old job's first create meets the new owner's file, it reads the lease and
     stops."""
     monkeypatch.setattr(Lease, "recent", property(lambda self: 10.0))
     url = str(tmp_path / "ckpt")
