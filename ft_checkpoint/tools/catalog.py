@@ -199,8 +199,7 @@ def check_step(storage: Storage, step: int, *, on_bytes: OnBytes | None = None,
     files it does not list, and (format 2) the tensor metadata against the manifest and each tensor's bytes against
     their own checksum, as a resume checks them; collect every problem, each naming the file by its URL. Each
     file is read once. ``listed``: a listing showed the step's manifest moments ago (a step deleted since, e.g. by
-    a running job's retention, is ``gone``, not corrupt; without it, only one that had its manifest when the check
-    began).
+    a running job's retention, is ``gone``, not corrupt; without it, only one whose manifest the check read).
 
     Example:
         >>> from ft_checkpoint.store.storage import Storage
@@ -208,7 +207,6 @@ def check_step(storage: Storage, step: int, *, on_bytes: OnBytes | None = None,
         ['memory://doc/check/step_000000000007/manifest.json is missing']
     """
     rel = layout.step_dir(step)
-    committed = listed or layout.MANIFEST in storage.sizes(rel)  # else a problem is no sign that it went meanwhile
     try:
         check = layout.check_step(storage, step, checksums=lambda name: not tensor_metadata.is_data_file(name),
                                   on_bytes=on_bytes, signer=signer)  # the data files: below, with their tensors
@@ -218,11 +216,12 @@ def check_step(storage: Storage, step: int, *, on_bytes: OnBytes | None = None,
         except CheckpointCorruptError as e:
             check.problems.append(str(e))
     except StorageNotFoundError as e:  # a file listed a moment ago is gone
-        if layout.MANIFEST in storage.sizes(rel):
+        if layout.MANIFEST in storage.entries(rel):
             raise
         check = StepCheck(step=step, gone=True, problems=[f"{GONE} ({e})"])
-    if check.problems and committed and layout.MANIFEST not in storage.sizes(rel):  # deleted, manifest first
-        check = StepCheck(step=step, gone=True, problems=[f"{GONE} ({check.problems[0]})"])
+    committed = listed or check.manifest is not None  # else a missing manifest is no sign that it went meanwhile
+    if check.problems and not check.gone and committed and layout.MANIFEST not in storage.entries(rel):
+        check = StepCheck(step=step, gone=True, problems=[f"{GONE} ({check.problems[0]})"])  # deleted, manifest first
     prefix = storage.url_of(layout.step_dir(step))
     check.problems = [p if p.startswith(prefix) else f"{prefix}/{p}" if _names_a_file(p) else f"{prefix}: {p}"
                       for p in check.problems]
