@@ -260,10 +260,7 @@ class Lease:
         """
         if self._thread is None:
             raise LeaseError(f"this job never acquired the checkpoint lease {self.url}. HINT: call acquire() first")
-        if self._lost is None:
-            self._confirm()
-        if self._lost is not None:
-            raise LeaseError(self._lost)
+        self.check_now()
 
     @property
     def recent(self) -> float:

@@ -448,7 +448,7 @@ class Storage:
         # prefetcher was seen to hang on repeated reads of the same object.
         self.read_options: dict[str, Any] = {} if self.is_local else {"cache_type": "readahead"}
         self._buffers = BufferPool()  # GCS: where a small file's views are joined (see _put_views)
-        self._down_since: float | None = None  # see down
+        self._down = False  # see down
         self._best_effort = threading.local()  # see best_effort
 
     def __repr__(self) -> str:
@@ -467,19 +467,23 @@ class Storage:
     def retrying(self, what: str, where: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)``, retried on transient errors up to ``retries`` attempts and within
         :data:`RETRY_WINDOW` seconds, with one warning at the first retry (the last error is raised as it is)."""
+        return self._run(self._retrier(what, where), fn, *args, **kwargs)
+
+    def _run(self, retrier: tenacity.Retrying, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``retrier(fn, *args, **kwargs)``, noting from how it ended whether the store looks :attr:`down`."""
         try:
-            out = self._retrier(what, where)(fn, *args, **kwargs)
+            out = retrier(fn, *args, **kwargs)
         except Exception as e:
-            self._note_outcome(e)
+            self._down = self._down or is_transient(e)
             raise
-        self._note_outcome(None)
+        self._down = False
         return out
 
     @property
     def down(self) -> bool:
         """Whether the store looks down: a call ended on a transient error (after its retries) and none has
         succeeded since."""
-        return self._down_since is not None
+        return self._down
 
     @contextlib.contextmanager
     def best_effort(self) -> Iterator[None]:
@@ -499,13 +503,6 @@ class Storage:
             yield
         finally:
             self._best_effort.once = False
-
-    def _note_outcome(self, error: BaseException | None) -> None:
-        if error is None:
-            if self._down_since is not None:
-                self._down_since = None
-        elif is_transient(error):
-            self._down_since = time.monotonic()
 
     def _retrier(self, what: str, where: str) -> tenacity.Retrying:
         def warn_once(rs: tenacity.RetryCallState) -> None:
@@ -531,14 +528,11 @@ class Storage:
     def _call(self, what: str, rel: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         retrier, start = self._retrier(what, self.url_of(rel)), time.monotonic()
         try:
-            out = retrier(fn, *args, **kwargs)
+            return self._run(retrier, fn, *args, **kwargs)
         except Exception as e:
-            self._note_outcome(e)
             attempts = retrier.statistics.get("attempt_number", 1)
             tried = f"{plural(attempts, 'attempt')} in {human_seconds(time.monotonic() - start)}"
             raise storage_error(f"{what} {self.url_of(rel)}", e, tried=tried) from e
-        self._note_outcome(None)
-        return out
 
     # -- primitives ----------------------------------------------------------------------------
     def ensure_root(self) -> None:
