@@ -8,6 +8,13 @@ counters, heartbeat) and refreshes the heartbeat from a background thread.
 
 - the lease is this attempt's own, or this very process's (an earlier manager that could not release it);
 - the owner ran on this host and its process is gone (a crashed run started again);
+
+  "this process" and "this host" mean the same host name *and* the same process space (:func:`process_space`:
+  the kernel's boot id and the PID namespace): a container recreated under its old host name (a Kubernetes
+  pod of a StatefulSet, ``docker restart``) has a new PID namespace, where the old owner's pid names another
+  process or none, and its own pid is often the old one's (1): the old owner, maybe alive on a node cut off,
+  is judged like one on another host (its heartbeat, the launcher's restart counters). A lease of an earlier
+  version records no process space: there the host name alone decides, as it did;
 - its heartbeat is older than ``timeout``: a crashed or hung job elsewhere;
 - its heartbeat lies more than :data:`CLOCK_SKEW` (60 s) in the future: a wrong clock or a forged lease
   (a lease of year 2100 would otherwise be a lock forever);
@@ -138,6 +145,24 @@ def _later_restart(mine: dict[str, int], theirs: dict[str, int]) -> bool:
     return bool(common) and tuple(mine[n] for n in common) > tuple(theirs[n] for n in common)
 
 
+def process_space() -> str | None:
+    """The processes this one sees by pid: the kernel's boot id and this process's PID namespace (Linux), or
+    None where ``/proc`` does not tell. A pid recorded by a process of another space names another process or
+    none here.
+
+    Example:
+        >>> space = process_space()
+        >>> space is None or space == process_space()
+        True
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            boot = f.read(64).decode("ascii", "replace").strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -160,6 +185,7 @@ def parse_lease(data: bytes) -> dict[str, Any]:
     obj = jsonfile.load_object(data)
     record: dict[str, Any] = {"attempt": jsonfile.get_str(obj, "attempt"), "host": jsonfile.get_str(obj, "host"),
               "pid": jsonfile.get_int(obj, "pid", minimum=1, maximum=_MAX_PID),
+              "pids": jsonfile.get_str(obj, "pids", optional=True),
               "job": jsonfile.get_str(obj, "job", optional=True), "restarts": _parse_restarts(obj.get("restarts")),
               "heartbeat": jsonfile.get_number(obj, "heartbeat")}
     if record["job"] is not None and is_placeholder(record["job"].partition("=")[2]):
@@ -205,7 +231,7 @@ class Lease:
         self.timeout = float(timeout)
         self.refresh = float(refresh)
         self.owner: dict[str, Any] = {"attempt": attempt, "host": socket.gethostname(), "pid": os.getpid(),
-                                      "job": job_id(), "restarts": launcher_restarts()}
+                                      "pids": process_space(), "job": job_id(), "restarts": launcher_restarts()}
         protocols = {storage.fs.protocol} if isinstance(storage.fs.protocol, str) else set(storage.fs.protocol)
         self.fencing = "etag" if protocols & {"s3", "s3a"} else "read-compare-write"
         """How a heartbeat makes sure it overwrites only its own lease (see the module docstring)."""
@@ -314,7 +340,7 @@ class Lease:
         current, me = seen.record, self.owner
         if current is None:
             return False
-        return current["attempt"] == me["attempt"] or (current["host"] == me["host"] and (
+        return current["attempt"] == me["attempt"] or (self._same_pids(current) and (
             current["pid"] == me["pid"] or not _pid_alive(current["pid"])))
 
     def check_now(self) -> None:
@@ -353,6 +379,12 @@ class Lease:
             log.warning("could not release the checkpoint lease: %s", e)
 
     # -- deciding ------------------------------------------------------------------------------
+    def _same_pids(self, record: dict[str, Any]) -> bool:
+        """Whether the pid in an owner ``record`` names a process this one sees (the module docstring): the same host
+        and, where both know it, the same :func:`process_space`."""
+        theirs, mine = record.get("pids"), self.owner["pids"]
+        return record["host"] == self.owner["host"] and (theirs is None or mine is None or theirs == mine)
+
     def _mine(self, seen: _Seen) -> bool:
         return seen.record is not None and seen.record["attempt"] == self.owner["attempt"]
 
@@ -371,9 +403,9 @@ class Lease:
             return f"its heartbeat is {age:.0f} s old"
         if age < -CLOCK_SKEW:
             return f"its heartbeat {_from_the_future(age)}"
-        if current["host"] == me["host"] and current["pid"] == me["pid"]:
+        if self._same_pids(current) and current["pid"] == me["pid"]:
             return "it is this process's own"
-        if current["host"] == me["host"] and not _pid_alive(current["pid"]):
+        if self._same_pids(current) and not _pid_alive(current["pid"]):
             return f"its process {current['pid']} on this host is gone"
         if me["job"] is not None and current["job"] == me["job"] and _later_restart(me["restarts"], current["restarts"]):
             return f"the launcher restarted job {me['job']} ({me['restarts']} after {current['restarts']})"
@@ -389,7 +421,9 @@ class Lease:
                     f"{force}" + ("" if age is None else f"; it is taken over by itself once it is older than "
                                                          f"{self.timeout:.0f} s"))
         age = time.time() - seen.record["heartbeat"]
-        return (f"another job is writing checkpoints to {self.storage.url}: {_describe(seen)}, last heartbeat "
+        elsewhere = "" if self._same_pids(seen.record) or seen.record["host"] != self.owner["host"] else (
+            " in another PID namespace (a container or pod of the same host name: its process cannot be seen from here)")
+        return (f"another job is writing checkpoints to {self.storage.url}: {_describe(seen)}{elsewhere}, last heartbeat "
                 f"{_ago(age)}. Two writers would delete each other's checkpoints. HINT: give this job its own "
                 f"dirpath, or wait for that job to end (its lease expires {self.timeout:.0f} s after its last "
                 f"heartbeat), or {force}")
@@ -400,8 +434,8 @@ class Lease:
             if self._lost is not None:
                 return
             now = "was removed" if not seen.exists else f"now holds {_describe(seen)}"
-            me, holder = self.owner, seen.record or {}
-            if holder.get("host") == me["host"] and holder.get("pid") == me["pid"]:
+            holder = seen.record
+            if holder is not None and self._same_pids(holder) and holder["pid"] == self.owner["pid"]:
                 self._lost = (
                     f"this manager lost the checkpoint lease of {self.storage.url}: another CheckpointManager in this "
                     "process took the directory over (a second manager on the same dirpath: a notebook cell run "

@@ -776,3 +776,47 @@ def test_a_writer_alive_through_two_takeovers_never_writes_over_the_third_owner_
     new_owner_commits_step_4_then_the_zombie_wakes(
         proc, url, {}, force=False, pause=0.0,
         meanwhile=lambda: CheckpointManager(url, interval=2, force_takeover=True).close())
+
+
+# -- a container recreated under its old host name: pids of another PID namespace ------------------------
+def in_own_pid_namespace(code: str, **env: str) -> subprocess.Popen:
+    """A Python process as PID 1 of a PID namespace of its own (a container's entrypoint), same host name."""
+    return subprocess.Popen(["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc", "--kill-child",
+                             sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **env})
+
+
+@pytest.mark.slow  # a subprocess or a long run: over 5 s (keeps the quick tier under 3 minutes)
+def test_a_job_recreated_in_a_new_pid_namespace_under_the_same_host_name_never_takes_a_live_lease(tmp_path):
+    """A Kubernetes pod recreated under its name (or a restarted container) has the same host name and, as its
+    entrypoint, the same pid 1 as the old one, which may still be alive (a node cut off): its lease is not "this
+    process's own" nor "a process of this host that is gone"."""
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc", "true"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no unprivileged PID namespaces here: {probe.stderr.decode().strip()}")
+    url = str(tmp_path / "ckpt")
+    old = in_own_pid_namespace(HOLD.format(root=ROOT, url=url))
+    try:
+        assert old.stdout.readline().strip() == "HOLDING", old.stderr.read()
+        assert holder_of(Storage(url))["pid"] == 1
+        new = in_own_pid_namespace(f"""
+import sys
+sys.path.insert(0, {ROOT!r})
+from ft_checkpoint import CheckpointManager
+from ft_checkpoint.errors import LeaseError
+try:
+    CheckpointManager({url!r}, interval=1)
+except LeaseError as e:
+    print("REFUSED", e)
+else:
+    print("TOOK IT")
+""")
+        out, err = new.communicate(timeout=120)
+        assert out.startswith("REFUSED another job is writing checkpoints"), out + err
+        assert "pid 1 (attempt" in out and "in another PID namespace" in out, out
+    finally:
+        old.kill()
+        old.wait()
+    with CheckpointManager(url, force_takeover=True):  # the documented way out once the old pod is known dead
+        pass
