@@ -23,7 +23,11 @@ copied while the next forward/backward runs), against the staging-copy floor and
 (fsynced), with a forward/backward long enough to cover the copy (``covered``) and none at all (``short``: the
 optimizer step right after the save; a forward/backward of one row still covers the copy here, as its backward
 writes every gradient),
-and with ``lazy_snapshot=False`` (``eager``). ``--profile`` adds where a small save's call spends its time.
+and with ``lazy_snapshot=False`` (``eager``). ``capture s`` is what any save that resumes exactly does before it
+returns, whatever it copies and whenever: walk the state (the model's and the optimizer's ``state_dict``) and
+take the random number generators' states (torch, Python, NumPy); where 0.5x the staging floor lies below it
+(small states, whose copy takes less than that), the target is out of reach, and ``/capture`` says how far above
+that floor the save is. ``--profile`` adds where a small save's call spends its time.
 
     python benchmarks/save_stall.py --sizes 1,10,100,800
     python benchmarks/save_stall.py --sizes 1,10,100 --device cuda
@@ -43,6 +47,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ft_checkpoint import CheckpointManager
+from ft_checkpoint.state import rng_state
 
 try:
     from floor_saver import write_durably
@@ -84,6 +89,19 @@ def copy_floor(model: torch.nn.Module, opt: torch.optim.Optimizer, repeats: int)
             copy(d, t)
         if cuda:
             torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def capture_floor(model: torch.nn.Module, opt: torch.optim.Optimizer, repeats: int) -> float:
+    """Seconds, the best of ``repeats``, to walk the state and take the RNG states: what a save that resumes
+    exactly must do before it returns, however little it copies then (see the module's docstring)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        model.state_dict()
+        opt.state_dict()
+        rng_state()
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -235,10 +253,11 @@ def profile_small_save(model, opt, d: str) -> None:
 def sizes_table(sizes: list[float], device: str, repeats: int, base: str, profile: bool) -> None:
     """The blocked-time table (see the module's docstring), one row per state size and mode."""
     print(f"{'state':>8}{'mode':>9}{'fwd/bwd s':>11}{'call s':>9}{'step wait s':>13}{'blocked s':>11}{'floor s':>9}"
-          f"{'torch.save s':>14}{'/floor':>8}{'/torch.save':>13}")
+          f"{'capture s':>11}{'torch.save s':>14}{'/floor':>8}{'/capture':>10}{'/torch.save':>13}")
     for mb in sizes:
         model, opt = make_state(mb, device)
         floor = copy_floor(model, opt, repeats=5)
+        capture = capture_floor(model, opt, repeats=50)
         d = os.path.join(base, f"ts_{mb}")
         os.makedirs(d)
         plain = statistics.median(bench_torch_save(model, opt, d, i)[0] for i in range(repeats + 1))
@@ -252,7 +271,10 @@ def sizes_table(sizes: list[float], device: str, repeats: int, base: str, profil
             call, wait = (statistics.median(r[k] for r in rows) for k in range(2))
             total = statistics.median(r[0] + r[1] for r in rows)
             print(f"{state_bytes(model, opt) / 1e6:>6.0f}MB{mode:>9}{fwd:>11.3f}{call:>9.4f}{wait:>13.4f}{total:>11.4f}"
-                  f"{floor:>9.4f}{plain:>14.4f}{total / floor:>8.2f}{total / plain:>13.2f}")
+                  f"{floor:>9.4f}{capture:>11.5f}{plain:>14.4f}{total / floor:>8.2f}{total / capture:>10.2f}"
+                  f"{total / plain:>13.2f}")
+        if capture > floor / 2:
+            print(f"{'':>8}covered <= 0.5x floor ({floor / 2:.5f} s) is out of reach: capture alone takes {capture:.5f} s")
         if profile and mb == min(sizes):
             profile_small_save(model, opt, os.path.join(base, "profile"))
         del model, opt
