@@ -335,13 +335,8 @@ class Lease:
             time.sleep(left)
 
     def _owner_gone(self, seen: _Seen) -> bool:
-        """Whether the owner of ``seen`` is known to write no more: this attempt or this process, or a process of
-        this host that is gone."""
-        current, me = seen.record, self.owner
-        if current is None:
-            return False
-        return current["attempt"] == me["attempt"] or (self._same_pids(current) and (
-            current["pid"] == me["pid"] or not _pid_alive(current["pid"])))
+        """Whether the owner of ``seen`` is known to write no more (see :meth:`_gone_reason`)."""
+        return seen.record is not None and self._gone_reason(seen.record) is not None
 
     def check_now(self) -> None:
         """Raise LeaseError unless ``lease.json`` names this attempt now (always reads it): any rank, when a file its
@@ -397,18 +392,27 @@ class Lease:
             return None if age is None or age <= self.timeout else f"unreadable and not rewritten for {age:.0f} s"
         current, me = seen.record, self.owner
         age = time.time() - current["heartbeat"]
-        if current["attempt"] == me["attempt"]:
-            return "it is this attempt's own"
+        gone = self._gone_reason(current)
+        if gone is not None:
+            return gone
         if age > self.timeout:
             return f"its heartbeat is {age:.0f} s old"
         if age < -CLOCK_SKEW:
             return f"its heartbeat {_from_the_future(age)}"
+        if me["job"] is not None and current["job"] == me["job"] and _later_restart(me["restarts"], current["restarts"]):
+            return f"the launcher restarted job {me['job']} ({me['restarts']} after {current['restarts']})"
+        return None
+
+    def _gone_reason(self, current: dict[str, Any]) -> str | None:
+        """Why the owner ``current`` is known to write no more: this attempt, this process, or a process of this host
+        (and process space) that is gone; None if it may still be alive."""
+        me = self.owner
+        if current["attempt"] == me["attempt"]:
+            return "it is this attempt's own"
         if self._same_pids(current) and current["pid"] == me["pid"]:
             return "it is this process's own"
         if self._same_pids(current) and not _pid_alive(current["pid"]):
             return f"its process {current['pid']} on this host is gone"
-        if me["job"] is not None and current["job"] == me["job"] and _later_restart(me["restarts"], current["restarts"]):
-            return f"the launcher restarted job {me['job']} ({me['restarts']} after {current['restarts']})"
         return None
 
     def _refusal(self, seen: _Seen) -> str:
