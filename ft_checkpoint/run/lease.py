@@ -1,8 +1,8 @@
 """One writer per checkpoint directory: a lease with the owner's identity and a heartbeat.
 
 Two jobs saving into the same ``dirpath`` would delete each other's steps (retention) and interleave
-their journals. The first job writes ``lease.json`` (attempt, host, pid, job id, launcher restart
-counters, heartbeat) and refreshes the heartbeat from a background thread.
+their journals. The first job writes ``lease.json`` (attempt, host, pid, process space, job id,
+launcher restart counters, heartbeat) and refreshes the heartbeat from a background thread.
 
 **Takeover.** Another job refuses to start, with an error that names the owner, unless:
 
