@@ -294,10 +294,23 @@ class Lease:
         real time another job waits before a takeover (``timeout``, less :data:`CLOCK_SKEW` of clocks apart)."""
         return min(2 * self.refresh, max(self.timeout - CLOCK_SKEW, 0.0) / 2)
 
-    def vouched(self) -> None:
-        """The job's rank 0 found the lease its own a moment ago (a check every rank waited for): good for
-        :attr:`recent` seconds here too, on any rank."""
-        self._confirmed = time.monotonic()
+    def vouched(self, since: float) -> None:
+        """The job's rank 0 found the lease its own at ``since`` (``time.monotonic()`` here) or later: good for
+        :attr:`recent` seconds from ``since`` here too, on any rank. ``since`` must come before rank 0's check (taken
+        before a collective rank 0 waited for before it checked), never when this rank learned of it: a rank that stood
+        still before it joined that collective (SIGSTOP, a VM paused) learns of the check late, maybe after a takeover.
+
+        Example:
+            >>> from ft_checkpoint.store.storage import Storage
+            >>> lease = Lease(Storage("memory://doc/vouched"), attempt="a")
+            >>> lease.vouched(time.monotonic() - 2 * lease.recent)   # a check from long ago vouches for nothing now
+            >>> try:
+            ...     lease.check_recent()                             # so lease.json is read: nobody's
+            ... except LeaseError as e:
+            ...     print("lost:", "lease.json was removed" in str(e))
+            lost: True
+        """
+        self._confirmed = max(self._confirmed, since)
 
     def check_recent(self) -> None:
         """Raise LeaseError unless the lease was seen as this attempt's own within :attr:`recent` seconds; reads

@@ -5,7 +5,8 @@ allocated once and reused by every later save (pinned, with non-blocking copies,
 ``staging``), and the non-tensor state is serialized. The write then runs on one background thread
 (the bytes written by it, or by a writer process fed from shared staging memory: ``writer_process``):
 
-1. rank 0 checks that the job still holds the directory's lease and clears any leftover directory of
+1. once every rank joined the save (a barrier of the writer group, with a listener, on several ranks), rank 0
+   checks that the job still holds the directory's lease and clears any leftover directory of
    this step; every rank writes its rank file (the non-tensor
    state and its per-rank state) and shares a fingerprint of each tensor: a tensor of the shared state
    that differs across ranks is an error naming it (it would come back as one rank's value everywhere);
@@ -107,8 +108,11 @@ class SaveListener(Protocol):
         """Rank 0, before the step's directory is cleared and again right before the manifest is written;
         raising (e.g. LeaseError: another job took the directory over) leaves the step uncommitted."""
 
-    def writable_confirmed(self) -> None:
-        """Every rank, once rank 0's :meth:`check_writable` before the clear passed."""
+    def writable_confirmed(self, since: float) -> None:
+        """Every rank, once rank 0's :meth:`check_writable` before the clear passed: that check came after ``since``
+        (``time.monotonic()`` on this rank, taken before a collective that every rank entered before the check), so
+        the directory was the job's own at ``since`` or later. Never "now": a rank that stood still (SIGSTOP, a VM
+        paused) before it joined the save may have been taken over long after the check."""
 
     def check_still_writable(self) -> None:
         """Every rank, before each file of the step it writes; raising (LeaseError) stops the write there. A
@@ -358,10 +362,13 @@ class CheckpointEngine:
     def _write_once(self, stats: SaveStats, staged: dict[str, Any], fields: dict[str, Any],
                     listener: SaveListener | None) -> int | None:
         g, step, rel = self.groups, stats.step, layout.step_dir(stats.step)
+        since = time.monotonic()
+        if listener is not None and g.distributed:
+            g.barrier(writer=True)  # rank 0 checks the lease only once every rank is here: after each rank's `since`
         made = self._agree(step, lambda: self._clear(stats, listener) if g.rank == 0 else None)
         fence = None if listener is None else Fence(self.storage, listener.check_still_writable, listener.confirm_writable)
         if listener is not None:
-            listener.writable_confirmed()
+            listener.writable_confirmed(since)
         self.phase("writing", step)
         tensors = staged["tensors"]
         prints = {k: fingerprint(t) for k, t in tensors.items() if type(t).__name__ != "DTensor"}

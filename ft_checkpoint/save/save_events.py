@@ -58,8 +58,8 @@ class SaveEvents:
         self.lease.wait_out_previous_owner()  # a job taken over that may still be alive: see there
         self.lease.check_owned()  # a job that lost the directory to another stops writing there
 
-    def writable_confirmed(self) -> None:
-        self.lease.vouched()
+    def writable_confirmed(self, since: float) -> None:
+        self.lease.vouched(since)
 
     def check_still_writable(self) -> None:
         self.lease.check_recent()  # reads lease.json only after a long stand-still (see Lease.check_recent)

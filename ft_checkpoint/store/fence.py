@@ -8,8 +8,9 @@ may be saving the same step. Two checks keep the old job from writing over the n
 - each file is created, never replaced: on local disk with ``O_EXCL`` (the manifest is renamed into the directory the
   save made, see ``Storage.write_bytes``), on S3 with ``If-None-Match: *`` (``Storage.exclusive_creates``). A job that
   woke after the new owner wrote a file (an upload already on its way when it froze, which completes when it wakes; or
-  a file it starts because its last sight of the lease looked recent: a rank that stood still before the save's first
-  collective, an old owner taken over twice) is refused. Whoever meets a file already there reads the lease
+  a file it starts because its last sight of the lease looked recent: an old owner taken over twice) is refused. (A
+  rank that stood still before it joined the save never counts rank 0's check of the lease as a sight newer than the
+  moment it joined: see ``SaveListener.writable_confirmed``.) Whoever meets a file already there reads the lease
   (``confirm()``): the job that lost it stops there (LeaseError); the owner deletes what it found (the late file of
   the job it took over, landed after its clear of the step, or an earlier try of its own write that landed before a
   retry) and writes once more, with a warning.

@@ -778,6 +778,84 @@ def test_a_writer_alive_through_two_takeovers_never_writes_over_the_third_owner_
         meanwhile=lambda: CheckpointManager(url, interval=2, force_takeover=True).close())
 
 
+LATE_RANK = """
+import os, signal, sys, threading
+sys.path.insert(0, {root!r})
+import torch
+import torch.distributed as dist
+from ft_checkpoint import CheckpointManager
+from ft_checkpoint.run.dist import Groups
+dist.init_process_group("gloo")
+rank, saving = dist.get_rank(), threading.Event()
+def telling(collective):
+    def call(self, *args, **kwargs):
+        if rank == 0 and kwargs.get("writer") and saving.is_set():
+            saving.clear()
+            print("RANK0 WAITS", flush=True)  # its save's first collective, where it waits for rank 1
+        return collective(self, *args, **kwargs)
+    return call
+Groups.all_gather, Groups.barrier = telling(Groups.all_gather), telling(Groups.barrier)
+def hook(phase, step):
+    if (phase, step) == ("staged", 4):
+        saving.set()
+        if rank == 1:
+            print("STOPPED", os.getpid(), flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)  # stood still before its writer thread joins the save of step 4
+with CheckpointManager({url!r}, interval=2, final_save=False) as ckpt:
+    ckpt.engine.phase_hook = hook
+    ckpt.save(4, {{"w": torch.full((1000,), 1.0)}}, per_rank={{"rank": rank}})
+    ckpt.wait()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_rank_that_stood_still_before_its_save_s_first_collective_writes_nothing_into_the_new_owner_s_step(
+        tmp_path, monkeypatch):
+    """A two-rank job saves step 4: rank 1 stands still (SIGSTOP) before its writer thread joins the save, rank 0
+    reaches the save's first collective and waits there for it. Another job takes the directory over by force and
+    commits its own step 4 with one rank (no ``rank_00001.pt``); then rank 1 wakes. Before: rank 0 had checked the
+    lease before that collective, and rank 1, joining it after the takeover, took the check for a sight of the lease
+    just now: it wrote its ``rank_00001.pt`` into the new owner's committed step (a file its manifest does not list).
+    Now every rank meets once more before rank 0 checks the lease, and counts a sight from before it joined: rank 0's
+    check comes after the takeover, the save stops with a LeaseError on every rank, and nothing is written."""
+    import torch
+
+    from ft_checkpoint.format import layout
+    from ft_checkpoint.testing import jobs
+
+    monkeypatch.setattr(Lease, "recent", property(lambda self: 0.5))  # the new owner waits 0.5 s, not 30 s, to save
+    url = str(tmp_path / "ckpt")
+    script = tmp_path / "late_rank.py"
+    script.write_text(LATE_RANK.format(root=ROOT, url=url))
+    old = jobs.start(str(script), launcher="torchrun", nproc=2, stderr=subprocess.STDOUT)
+    output: list[str] = []
+
+    def read() -> None:
+        for line in old.stdout:
+            output.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        stopped = _frozen_ranks(output, 1)
+        wait_until(lambda: "RANK0 WAITS\n" in output, "rank 0 of the old job in its save's first collective")
+        with CheckpointManager(url, interval=2, force_takeover=True, final_save=False) as new:
+            new.save(4, {"w": torch.full((1000,), -4.0)}, block=True)
+            os.kill(stopped[0], signal.SIGCONT)  # rank 1 wakes while the new owner still holds the directory
+            old.wait(timeout=120)
+        reader.join(timeout=10)
+    finally:
+        _end_job(old, _frozen_ranks(output, 0))
+    assert old.returncode != 0 and "LeaseError" in "".join(output), "".join(output)[-3000:]
+    step = tmp_path / "ckpt" / layout.step_dir(4)
+    assert "rank_00001.pt" not in os.listdir(step), (
+        f"the old job's rank 1 wrote into the new owner's committed step 4: {sorted(os.listdir(step))}")
+    with CheckpointManager(url, interval=2, force_takeover=True, final_save=False) as again:
+        state = {"w": torch.zeros(1000)}
+        assert again.resume(state) == 4 and bool((state["w"] == -4.0).all())
+
+
 # -- a container recreated under its old host name: pids of another PID namespace ------------------------
 def in_own_pid_namespace(code: str, **env: str) -> subprocess.Popen:
     """A Python process as PID 1 of a PID namespace of its own (a container's entrypoint), same host name."""
