@@ -266,12 +266,13 @@ class Lease:
         elif seen.exists:
             log.warning("taking over the checkpoint lease %s by force (held by %s)", self.url, _describe(seen))
         self._claim(seen)
+        since = time.monotonic()
         if not self._mine(self._read()):
             raise LeaseError(f"another job took the checkpoint lease {self.url} at the same moment. HINT: give "
                              "each job its own dirpath")
-        self._confirmed = time.monotonic()
+        self._confirmed = since
         if seen.exists and not self._owner_gone(seen):
-            self._quiet_until = self._confirmed + self.recent
+            self._quiet_until = time.monotonic() + self.recent
         self._thread = threading.Thread(target=self._beat, name="ft-checkpoint-lease", daemon=True)
         self._thread.start()
 
@@ -365,10 +366,12 @@ class Lease:
             raise LeaseError(self._lost)
 
     def _confirm(self) -> None:
-        """Read the lease: note the moment it is still ours, or lose it."""
+        """Read the lease: note that it was still ours when the read began (never when it returned: a process that
+        stood still inside the read, its answer received, would date the sight at its waking), or lose it."""
+        since = time.monotonic()
         seen = self._read()
         if self._mine(seen):
-            self._confirmed = time.monotonic()
+            self._confirmed = max(self._confirmed, since)
         else:
             self._lose(seen)
 
@@ -480,11 +483,13 @@ class Lease:
                 log.warning("could not refresh the checkpoint lease %s", self.url, exc_info=True)
 
     def _refresh(self) -> bool:
-        """One heartbeat, written only over this attempt's own lease; False once the lease is lost."""
+        """One heartbeat, written only over this attempt's own lease; False once the lease is lost. A sight of the
+        lease as ours dates from before the request that showed it (see :meth:`_confirm`)."""
+        since = time.monotonic()
         if self._etag is not None:
             try:
                 self._put(if_match=self._etag)
-                self._confirmed = time.monotonic()
+                self._confirmed = max(self._confirmed, since)
                 return True
             except _Changed:
                 pass  # someone else wrote, or our own retried write landed: look
@@ -494,10 +499,10 @@ class Lease:
             return False
         if self._etag is not None and seen.etag is not None:
             self._etag = seen.etag  # the retried write of ours had landed: fence on it
-            self._confirmed = time.monotonic()
+            self._confirmed = max(self._confirmed, since)
             return True
         self._put()
-        self._confirmed = time.monotonic()
+        self._confirmed = max(self._confirmed, since)
         return True
 
     # -- storage -------------------------------------------------------------------------------

@@ -778,6 +778,39 @@ def test_a_writer_alive_through_two_takeovers_never_writes_over_the_third_owner_
         meanwhile=lambda: CheckpointManager(url, interval=2, force_takeover=True).close())
 
 
+def test_a_sight_of_the_lease_dates_from_before_the_read_that_showed_it(monkeypatch):
+    """A process stands still (SIGSTOP, a paused VM) inside its read of ``lease.json``, the answer (its own lease)
+    received; another job takes the directory over meanwhile; it wakes. Before: the sight was dated when the read
+    returned, at the waking, and for the next ``recent`` seconds ``check_recent`` let it write on without reading the
+    lease again. Now a sight dates from before the read: long gone, so the lease is read again, and found lost."""
+    clock = [1000.0]
+    monkeypatch.setattr(lease_module, "time", type("Clock", (), {"monotonic": staticmethod(lambda: clock[0]),
+                                                                  "time": staticmethod(time.time),
+                                                                  "sleep": staticmethod(time.sleep)}))
+    storage = Storage(f"memory://test/sight-{uuid.uuid4().hex}")
+    old, new = Lease(storage, attempt="old"), Lease(storage, attempt="new")
+    old.acquire()
+    read = old._read
+
+    def stood_still_inside_the_read():
+        seen = read()  # the lease is its own...
+        new.acquire(force=True)  # ...then the process stands still: taken over meanwhile
+        clock[0] += 2 * old.recent
+        return seen
+
+    old._read = stood_still_inside_the_read
+    try:
+        old.check_now()  # the answer showed the lease its own: no error here
+    finally:
+        del old._read
+    try:
+        with pytest.raises(LeaseError, match="lost the checkpoint lease"):
+            old.check_recent()
+    finally:
+        old.release()
+        new.release()
+
+
 LATE_RANK = """
 import os, signal, sys, threading
 sys.path.insert(0, {root!r})
