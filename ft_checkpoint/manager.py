@@ -212,7 +212,16 @@ class CheckpointManager:
         with ThreadPoolExecutor(1, thread_name_prefix="ft-checkpoint-list") as pool:
             listing = pool.submit(layout.Listing.of, self.storage, signer=self.signer)
             self.lease.acquire(force=force)
-            return listing.result()
+            steps = listing.result()
+        if self.signer is None and steps.newest is not None and steps.manifests[steps.newest].signature is not None:
+            self.lease.release()
+            raise ConfigError(
+                f"the newest step of {self.storage.url} (step {steps.newest}) is signed, and this job has no signing key: "
+                "it would resume that step unchecked, save unsigned steps, and its retention would delete the signed "
+                "ones, after which a job with the key finds no step to resume. HINT: set the run's key "
+                "(FT_CHECKPOINT_SIGNING_KEY_FILE, FT_CHECKPOINT_SIGNING_KEY or signing_key_file: in the YAML file); to "
+                "go on without signing, give this job a new dirpath")
+        return steps
 
     @property
     def rank(self) -> int:

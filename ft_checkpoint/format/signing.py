@@ -50,6 +50,8 @@ MAX_KEY_BYTES = 4096
 """The longest key taken (bytes); a key file may hold this much, plus a line ending."""
 _DOMAIN = "ft-checkpoint manifest signature v1"
 KEY_HINT = "HINT: make one with 'openssl rand -hex 32 > ~/.ft-checkpoint.key' (kept outside the checkpoint directory)"
+_PATH_HINT = ("HINT: check the path (a run signed with a key resumes only with that key); only for a run that has no "
+              "key yet, make one with 'openssl rand -hex 32 > ~/.ft-checkpoint.key' (kept outside the checkpoint directory)")
 
 
 class KeySettings(Protocol):
@@ -98,10 +100,10 @@ def read_key_file(field: str, path: str) -> bytes:
     try:  # O_NONBLOCK: a FIFO planted at the path would block an open for reading
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"{where}: cannot read the key file ({type(e).__name__}: {e}). {KEY_HINT}") from None
+        raise ConfigError(f"{where}: cannot read the key file ({type(e).__name__}: {e}). {_PATH_HINT}") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise ConfigError(f"{where}: not a regular file. {KEY_HINT}")
+        raise ConfigError(f"{where}: not a regular file. {_PATH_HINT}")
     with os.fdopen(fd, "rb") as f:
         data = f.read(MAX_KEY_BYTES + 3)
     key = data[:-2] if data.endswith(b"\r\n") else data[:-1] if data.endswith(b"\n") else data

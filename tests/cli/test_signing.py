@@ -12,7 +12,16 @@ import pytest
 
 from ft_checkpoint import CheckpointManager
 from tests.cli.conftest import cli, cli_json
-from tests.core.test_signing import FORGED, KEY, OTHER_KEY, forge_with_recomputed_checksums, plant_unsigned_steps, resume, save
+from tests.core.test_signing import (
+    FORGED,
+    KEY,
+    OTHER_KEY,
+    forge_with_recomputed_checksums,
+    plant_unsigned_steps,
+    resume,
+    save,
+    save_unsigned_into,
+)
 
 WITH_KEY = {"FT_CHECKPOINT_SIGNING_KEY": KEY}
 
@@ -25,7 +34,7 @@ def run(tmp_path_factory) -> str:
     save(url, [1, 2, 3], signing_key=KEY, keep_last=10)
     save(evil, [3], seed=7)
     forge_with_recomputed_checksums(url, 3, evil)
-    save(url, [4], seed=5, keep_last=10)
+    save_unsigned_into(url, 4, seed=5)
     return url
 
 

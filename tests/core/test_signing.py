@@ -124,7 +124,7 @@ def test_a_resume_with_the_key_from_env_and_run_name_from_the_config_file(tmp_pa
 # -- refused: unsigned, forged, another key, another step, another run ---------------------------------
 def test_an_unsigned_step_is_skipped_with_a_key_and_set_aside_once_a_step_verifies(signed_run, caplog):
     url, saved = signed_run
-    save(url, [3], seed=5)  # a job without the key writes step 3 into the run
+    save_unsigned_into(url, 3, seed=5)
     assert "signature" not in manifest_of(url, 3)
     resumes_skipping(url, caplog, saved, resumed=2, skipped=3, reason="is not signed")
     skipped = os.path.join(url, layout.step_dir(3), layout.MANIFEST + layout.SKIPPED_SUFFIX)
@@ -158,11 +158,15 @@ def test_a_forged_manifest_with_recomputed_checksums_is_refused(signed_run, tmp_
 
 
 def test_without_the_key_a_forged_step_loads(signed_run, tmp_path):
-    """The attack of the test above is real: without a key, the step forged with recomputed checksums loads."""
+    """The attack of the test above is real: without a key, the step forged with recomputed checksums loads (its
+    signature dropped: a job without the key refuses a run whose newest step is signed)."""
     url, _ = signed_run
     evil_url = str(tmp_path / "evil")
     evil = save(evil_url, [1, 2], seed=7)
     forge_with_recomputed_checksums(url, 2, evil_url)
+    with pytest.raises(ConfigError, match="is signed, and this job has no signing key"):
+        resume(url)
+    write_manifest(url, 2, {k: v for k, v in manifest_of(url, 2).items() if k != "signature"})
     step, state = resume(url)
     assert step == 2
     assert_same(state["model"], evil[2]["model"])
@@ -219,6 +223,14 @@ def test_a_run_named_from_the_start_verifies_after_a_copy(tmp_path):
 # -- with the key, only steps that verify count: forged steps drive neither retention nor the step count ------
 FORGED = [9 * 10**11, 9 * 10**11 + 1, 9 * 10**11 + 2]
 """Step numbers far above the run's, as a forger without the key picks them: retention keeps the highest steps."""
+
+
+def save_unsigned_into(url: str, step: int, *, seed: int) -> None:
+    """A whole unsigned ``step`` put into the run at ``url`` by someone without the key (a job without it is refused
+    on a signed run: it saves elsewhere, and the step directory is copied in)."""
+    elsewhere = f"{url}-unsigned-{step}"
+    save(elsewhere, [step], seed=seed)
+    shutil.copytree(os.path.join(elsewhere, layout.step_dir(step)), os.path.join(url, layout.step_dir(step)))
 
 
 def plant_unsigned_steps(url: str, steps: list[int]) -> None:
@@ -297,17 +309,22 @@ def test_the_rollback_check_never_reads_a_fifo_named_like_a_journal_event(tmp_pa
 
 
 # -- no key: today's behaviour -------------------------------------------------------------------------
-def test_without_a_key_manifests_are_unsigned_and_signed_steps_still_resume(tmp_path, caplog):
+def test_without_a_key_manifests_are_unsigned_and_a_job_without_the_key_refuses_a_signed_run(tmp_path, caplog):
+    """A signed run restarted once without its key (a requeue that lost its environment) resumed its newest step
+    unchecked, saved unsigned steps, and its retention deleted every signed one: the next job with the key then
+    found no step to resume. Now the job without the key refuses to start, and changes nothing."""
     url = str(tmp_path / "run")
     saved = save(url, [1])
     assert set(manifest_of(url, 1)) == BEFORE  # not even "signature": null
-    saved.update(save(url, [2], seed=1, signing_key=KEY))  # this job warns that step 1 does not count for it
-    caplog.clear()
-    caplog.set_level(logging.WARNING, logger="ft_checkpoint")
-    step, state = resume(url)  # no key: a signature is not checked, an unsigned step not refused
-    assert step == 2
-    assert_same(state, saved[2])
-    assert not warnings(caplog), caplog.text
+    saved.update(save(url, [2, 3, 4], seed=1, signing_key=KEY))  # this job warns that step 1 does not count for it
+    before = sorted(os.listdir(url))
+    with pytest.raises(ConfigError, match=r"step 4\) is signed, and this job has no signing key.*HINT: set the run's key"):
+        CheckpointManager(url, interval=1)
+    assert sorted(os.listdir(url)) == before, "refused before anything was written or deleted"
+    assert not os.path.exists(os.path.join(url, "lease.json")), "the lease taken while listing is given back"
+    step, state = resume(url, signing_key=KEY)  # the job with the key resumes the run's newest step
+    assert step == 4
+    assert_same(state, saved[4])
 
 
 # -- the key: where it comes from, where it never goes -----------------------------------------------------
@@ -417,3 +434,29 @@ def test_metadata_a_manifest_could_not_hold_is_refused_at_the_save(tmp_path):
             ckpt.save(1, make(0), metadata=deep)
         ckpt.save(1, make(0), metadata={"ok": [{"a": 1}]}, block=True)
         assert ckpt.latest() == 1
+
+
+def test_a_key_file_written_as_the_readme_writes_it_in_a_yaml_file_is_found_and_a_careless_one_refused(
+        tmp_path, monkeypatch):
+    """``signing_key_file: ~/.ft-checkpoint.key`` in the YAML file (nothing expands it there) was a file named '~'
+    not found, and the error's hint said to make a key: followed, it replaced the run's key, and every signed step
+    was refused from then on. ``~`` is expanded now; a variable nobody expanded, quotes or spaces are refused as in
+    ``dirpath``; a path not found says to check it first."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / ".ft-checkpoint.key").write_text(KEY + "\n")
+    config = tmp_path / "ft.yaml"
+    config.write_text("signing_key_file: ~/.ft-checkpoint.key\n")
+    monkeypatch.setenv("FT_CHECKPOINT_CONFIG", str(config))
+    url = str(tmp_path / "run")
+    save(url, [1])
+    monkeypatch.delenv("FT_CHECKPOINT_CONFIG")
+    assert resume(url, signing_key=KEY)[0] == 1, "signed with the key in ~/.ft-checkpoint.key"
+    for careless, expected in [("$HOME/.ft-checkpoint.key", r"with \$HOME expanded"),
+                               ('"~/.ft-checkpoint.key"', "without the quotes"),
+                               ("~/.ft-checkpoint.key ", "without spaces at its start or end")]:
+        with pytest.raises(ConfigError, match=expected):
+            CheckpointConfig(signing_key_file=careless)
+    with pytest.raises(ConfigError, match=r"cannot read the key file .*HINT: check the path .*only for a run that has "
+                                          r"no key yet, make one"):
+        CheckpointConfig(signing_key_file="~/.ft-checkpoint.kye")
