@@ -111,8 +111,7 @@ class CheckpointManager:
         self.signer = Signer.from_config(c, self.storage.url)
         """Signs every manifest this job commits and refuses unsigned steps at resume (None: no ``signing_key``)."""
         self.groups = Groups.create()
-        self.groups.on_rank0(self.storage.ensure_root)
-        attempt = new_attempt_id()
+        attempt = self.groups.on_rank0(self._ensure_root)
         adaptive = dict(world_size=self.groups.world_size, mtbf=c.mtbf, gpu_failure_rate=c.gpu_failure_rate,
                         min_interval=c.min_interval, max_interval=c.max_interval)
         self.policy = policy or policy_from_interval(c.interval, **adaptive)
@@ -189,6 +188,13 @@ class CheckpointManager:
         self._participants = Participants()
         self._last_save_time = time.monotonic()
         self._announced = self._closed = False
+
+    def _ensure_root(self) -> str:
+        """Rank 0: make the checkpoint directory if need be, and name this start. Every rank gets the name: the lease
+        rank 0 takes by it is the job's, which each rank checks before the files of a save (a rank with a name of its
+        own took the lease for lost, and stopped saving, once its writes outlasted a sight of it)."""
+        self.storage.ensure_root()
+        return new_attempt_id()
 
     def _lineage(self, attempt: str) -> Callable[[], str]:
         """What names the durable directory's incarnation for the fast tier (rank 0, once, before this start's

@@ -13,8 +13,9 @@ launcher restart counters, heartbeat) and refreshes the heartbeat from a backgro
   the kernel's boot id and the PID namespace): a container recreated under its old host name (a Kubernetes
   pod of a StatefulSet, ``docker restart``) has a new PID namespace, where the old owner's pid names another
   process or none, and its own pid is often the old one's (1): the old owner, maybe alive on a node cut off,
-  is judged like one on another host (its heartbeat, the launcher's restart counters). A lease of an earlier
-  version records no process space: there the host name alone decides, as it did;
+  is judged like one on another host (its heartbeat, the launcher's restart counters). So is a process space
+  that one side cannot tell (``/proc`` not mounted). A lease of an earlier version records no process space:
+  there the host name alone decides whether its process is gone, as it did, but it is never this process's own;
 - its heartbeat is older than ``timeout``: a crashed or hung job elsewhere;
 - its heartbeat lies more than :data:`CLOCK_SKEW` (60 s) in the future: a wrong clock or a forged lease
   (a lease of year 2100 would otherwise be a lock forever);
@@ -185,7 +186,7 @@ def parse_lease(data: bytes) -> dict[str, Any]:
     obj = jsonfile.load_object(data)
     record: dict[str, Any] = {"attempt": jsonfile.get_str(obj, "attempt"), "host": jsonfile.get_str(obj, "host"),
               "pid": jsonfile.get_int(obj, "pid", minimum=1, maximum=_MAX_PID),
-              "pids": jsonfile.get_str(obj, "pids", optional=True),
+              "pids": jsonfile.get_str(obj, "pids", optional=True), "legacy": "pids" not in obj,
               "job": jsonfile.get_str(obj, "job", optional=True), "restarts": _parse_restarts(obj.get("restarts")),
               "heartbeat": jsonfile.get_number(obj, "heartbeat")}
     if record["job"] is not None and is_placeholder(record["job"].partition("=")[2]):
@@ -392,9 +393,18 @@ class Lease:
     # -- deciding ------------------------------------------------------------------------------
     def _same_pids(self, record: dict[str, Any]) -> bool:
         """Whether the pid in an owner ``record`` names a process this one sees (the module docstring): the same host
-        and, where both know it, the same :func:`process_space`."""
-        theirs, mine = record.get("pids"), self.owner["pids"]
-        return record["host"] == self.owner["host"] and (theirs is None or mine is None or theirs == mine)
+        and the same :func:`process_space`, known on both sides (the host alone for a lease of an earlier version)."""
+        if record["host"] != self.owner["host"]:
+            return False
+        if record.get("legacy"):  # a lease of an earlier version records no process space: the host name, as it did
+            return True
+        theirs, mine = record.get("pids"), self.owner["pids"]  # None: that process could not tell (no /proc)
+        return theirs is not None and mine is not None and theirs == mine
+
+    def _this_process(self, record: dict[str, Any]) -> bool:
+        """Whether ``record`` was written by this very process (an earlier manager): never a lease of an earlier
+        version, which this process, that records its process space, did not write."""
+        return not record.get("legacy") and self._same_pids(record) and record["pid"] == self.owner["pid"]
 
     def _mine(self, seen: _Seen) -> bool:
         return seen.record is not None and seen.record["attempt"] == self.owner["attempt"]
@@ -425,7 +435,7 @@ class Lease:
         me = self.owner
         if current["attempt"] == me["attempt"]:
             return "it is this attempt's own"
-        if self._same_pids(current) and current["pid"] == me["pid"]:
+        if self._this_process(current):
             return "it is this process's own"
         if self._same_pids(current) and not _pid_alive(current["pid"]):
             return f"its process {current['pid']} on this host is gone"
@@ -442,7 +452,10 @@ class Lease:
                                                          f"{self.timeout:.0f} s"))
         age = time.time() - seen.record["heartbeat"]
         elsewhere = "" if self._same_pids(seen.record) or seen.record["host"] != self.owner["host"] else (
-            " in another PID namespace (a container or pod of the same host name: its process cannot be seen from here)")
+            " in another PID namespace (a container or pod of the same host name: its process cannot be seen from here)"
+            if seen.record["pids"] is not None and self.owner["pids"] is not None else
+            " in a PID namespace that cannot be compared with this one's (/proc not mounted, or its boot_id unreadable,"
+            " here or there: its process cannot be told alive from here)")
         return (f"another job is writing checkpoints to {self.storage.url}: {_describe(seen)}{elsewhere}, last heartbeat "
                 f"{_ago(age)}. Two writers would delete each other's checkpoints. HINT: give this job its own "
                 f"dirpath, or wait for that job to end (its lease expires {self.timeout:.0f} s after its last "
@@ -455,7 +468,7 @@ class Lease:
                 return
             now = "was removed" if not seen.exists else f"now holds {_describe(seen)}"
             holder = seen.record
-            if holder is not None and self._same_pids(holder) and holder["pid"] == self.owner["pid"]:
+            if holder is not None and self._this_process(holder):
                 self._lost = (
                     f"this manager lost the checkpoint lease of {self.storage.url}: another CheckpointManager in this "
                     "process took the directory over (a second manager on the same dirpath: a notebook cell run "

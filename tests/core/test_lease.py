@@ -890,18 +890,23 @@ def test_a_rank_that_stood_still_before_its_save_s_first_collective_writes_nothi
 
 
 # -- a container recreated under its old host name: pids of another PID namespace ------------------------
-def in_own_pid_namespace(code: str, **env: str) -> subprocess.Popen:
-    """A Python process as PID 1 of a PID namespace of its own (a container's entrypoint), same host name."""
+def in_own_pid_namespace(code: str, *, without_proc: bool = False) -> subprocess.Popen:
+    """A Python process as PID 1 of a PID namespace of its own (a container's entrypoint), same host name; with
+    ``without_proc``, in a container whose ``/proc`` is not mounted (an empty tmpfs over it)."""
+    prelude = "mount -t tmpfs none /proc && " if without_proc else ""
     return subprocess.Popen(["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc", "--kill-child",
-                             sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **env})
+                             "sh", "-c", prelude + 'exec "$0" -c "$1"', sys.executable, code],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.mark.slow  # a subprocess or a long run: over 5 s (keeps the quick tier under 3 minutes)
-def test_a_job_recreated_in_a_new_pid_namespace_under_the_same_host_name_never_takes_a_live_lease(tmp_path):
+@pytest.mark.parametrize("without_proc", [False, True], ids=["proc", "no-proc"])
+def test_a_job_recreated_in_a_new_pid_namespace_under_the_same_host_name_never_takes_a_live_lease(tmp_path,
+                                                                                                  without_proc):
     """A Kubernetes pod recreated under its name (or a restarted container) has the same host name and, as its
     entrypoint, the same pid 1 as the old one, which may still be alive (a node cut off): its lease is not "this
-    process's own" nor "a process of this host that is gone"."""
+    process's own" nor "a process of this host that is gone". Nor where the new one cannot tell its process space
+    (no ``/proc``): that was taken for "the same"."""
     probe = subprocess.run(["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc", "true"],
                            capture_output=True)
     if probe.returncode != 0:
@@ -911,7 +916,7 @@ def test_a_job_recreated_in_a_new_pid_namespace_under_the_same_host_name_never_t
     try:
         assert old.stdout.readline().strip() == "HOLDING", old.stderr.read()
         assert holder_of(Storage(url))["pid"] == 1
-        new = in_own_pid_namespace(f"""
+        new = in_own_pid_namespace(without_proc=without_proc, code=f"""
 import sys
 sys.path.insert(0, {ROOT!r})
 from ft_checkpoint import CheckpointManager
@@ -925,9 +930,65 @@ else:
 """)
         out, err = new.communicate(timeout=120)
         assert out.startswith("REFUSED another job is writing checkpoints"), out + err
-        assert "pid 1 (attempt" in out and "in another PID namespace" in out, out
+        assert "pid 1 (attempt" in out and ("cannot be compared" if without_proc else "in another PID namespace") in out, out
     finally:
         old.kill()
         old.wait()
     with CheckpointManager(url, force_takeover=True):  # the documented way out once the old pod is known dead
         pass
+
+
+SLOW_RANK = """
+import sys, time
+sys.path.insert(0, {root!r})
+import torch
+import torch.distributed as dist
+from ft_checkpoint import CheckpointManager
+from ft_checkpoint.run.lease import Lease
+Lease.recent = property(lambda self: 0.3)  # a sight of the lease is good for 0.3 s here (30 s by default)
+dist.init_process_group("gloo")
+def slow_storage(phase, step):
+    if phase == "writing" and dist.get_rank() == 1:
+        time.sleep(1.0)  # this rank's writes start after the sight of the lease its save began with is old
+with CheckpointManager({url!r}, interval=1, keep_last=2) as ckpt:
+    ckpt.engine.phase_hook = slow_storage
+    for step in (1, 2):
+        ckpt.save(step, {{"w": torch.full((1000,), float(step)), "rank": dist.get_rank()}}, block=True)
+    print("SAVED", dist.get_rank(), ckpt.lease.owner["attempt"], flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_whose_writes_outlast_a_sight_of_the_lease_still_finds_it_its_own(tmp_path):
+    """Every rank reads the lease before a file of a save once its last sight is older than ``recent`` (30 s by
+    default; a large shard to slow storage). Each rank had an attempt id of its own, and only rank 0's is in the
+    lease: rank 1 found another attempt there, took the lease for lost ("Another job took the directory over"), and
+    every save of the job failed from then on. The job's ranks now share rank 0's attempt."""
+    import torch
+
+    from ft_checkpoint.testing import jobs
+
+    url = str(tmp_path / "ckpt")
+    script = tmp_path / "slow_rank.py"
+    script.write_text(SLOW_RANK.format(root=ROOT, url=url))
+    result = jobs.run(str(script), launcher="torchrun", nproc=2, timeout=300)
+    assert result.returncode == 0 and "lost the checkpoint lease" not in result.output, result.output[-3000:]
+    saved = sorted(line.split()[1:] for line in result.output.splitlines() if line.startswith("SAVED "))
+    assert [rank for rank, _ in saved] == ["0", "1"] and saved[0][1] == saved[1][1], saved  # one attempt
+    with CheckpointManager(url) as ckpt:
+        state = {"w": torch.zeros(1000), "rank": None}
+        assert ckpt.resume(state) == 2 and float(state["w"][0]) == 2.0
+
+
+def test_a_lease_of_an_earlier_version_with_this_process_s_pid_is_never_taken_for_this_process_s_own(tmp_path):
+    """A rolling upgrade: the old pod (an earlier version, no ``pids`` in its lease) is alive as pid 1; the new pod,
+    same host name, is pid 1 too. This process writes its process space, so a lease without one is not its own."""
+    import socket
+
+    url = str(tmp_path / "ckpt")
+    os.makedirs(url)
+    with open(os.path.join(url, LEASE), "w") as f:
+        json.dump({"attempt": "0.1-owner", "host": socket.gethostname(), "pid": os.getpid(), "job": None,
+                   "heartbeat": time.time()}, f)
+    with pytest.raises(LeaseError, match=rf"another job is writing checkpoints .* pid {os.getpid()} \(attempt 0.1-owner"):
+        CheckpointManager(url)
