@@ -309,9 +309,17 @@ _UNEXPANDED = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}|(?:^|/)\$[A-Za-z_][A-Za-
 """``${NAME}`` anywhere, ``$NAME`` at the start of a folder's name: a shell variable left unexpanded."""
 
 
-def _refuse_careless_text(field: str, value: str) -> None:
+def refuse_careless_text(field: str, value: str) -> None:
     """ConfigError for a path with spaces at an end, quotes left in or an environment variable nobody expanded (see
-    :func:`_refuse_careless_path`)."""
+    :func:`_refuse_careless_path`): a ``dirpath``, a key file, a CLI's ``DIR``.
+
+    Example:
+        >>> try:
+        ...     refuse_careless_text("DIR", "run ")
+        ... except ConfigError as e:
+        ...     print(e)
+        DIR='run ' is invalid: expected a path without spaces at its start or end (they name another path): 'run'
+    """
     if value != value.strip():
         _bad(field, value, f"a path without spaces at its start or end (they name another path): {value.strip()!r}")
     if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"":
@@ -334,7 +342,7 @@ def _refuse_careless_path(field: str, value: str) -> None:
         ...     print(str(e).split(": a job")[0])
         dirpath='gs://b/run/step_000000000005' is step 5 of the run in 'gs://b/run'
     """
-    _refuse_careless_text(field, value)
+    refuse_careless_text(field, value)
     parts = value.rstrip("/").split("/")
     for i, part in enumerate(parts):
         if (step := layout.parse_step(part)) is not None:
@@ -431,7 +439,7 @@ def _check_path_or_name(*, key_file: bool) -> Callable[[str, Any], Any]:
         if not isinstance(value, str) or not value.strip() or "\x00" in value or len(value) > layout.MAX_RUN_NAME:
             _bad(field, value, "a non-empty text without NUL, at most 4096 characters")
         if key_file:  # '~/.ft-checkpoint.key' as the README writes it, in a YAML file or an env file
-            _refuse_careless_text(field, value)
+            refuse_careless_text(field, value)
             value = os.path.expanduser(value)
             signing.read_key_file(field, value)  # readable, a regular file, a key of the right length
         return value

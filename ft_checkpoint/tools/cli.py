@@ -301,11 +301,13 @@ def utc(t: float | None) -> str:
 
 def open_storage(url: str | None) -> Storage:
     """The checkpoint directory ``url`` (or ``FT_CHECKPOINT_DIRPATH``), with the training's storage options."""
-    from ft_checkpoint.config import CheckpointConfig
+    from ft_checkpoint.config import CheckpointConfig, refuse_careless_text
     from ft_checkpoint.errors import ConfigError
     from ft_checkpoint.store.storage import Storage
     from ft_checkpoint.tools.catalog import require_directory
 
+    if url:  # as a dirpath is checked: an end space, quotes or a variable nobody expanded name another directory
+        refuse_careless_text("DIR", url)
     config = CheckpointConfig.from_env()
     url = url or config.dirpath
     if not url:

@@ -300,6 +300,16 @@ def test_errors_say_what_to_do(tmp_path):
     assert empty.returncode == 1 and "no committed step" in empty.stdout
 
 
+def test_a_dir_with_an_end_space_quotes_or_an_unexpanded_variable_is_refused_as_a_dirpath_is(tmp_path):
+    """``ls "run "`` said "does not exist" of a directory that exists (the space does not show); the training's
+    ``dirpath`` check says what is wrong, and now so does the CLI's ``DIR``."""
+    (tmp_path / "run").mkdir()
+    for given, expected in [(f"{tmp_path / 'run'} ", "without spaces at its start or end"),
+                            (f'"{tmp_path / "run"}"', "without the quotes"), ("$HOME/run", r"with $HOME expanded")]:
+        out = cli("ls", given)
+        assert out.returncode == 2 and expected in out.stderr and "does not exist" not in out.stderr, out.stderr
+
+
 def test_dir_defaults_to_the_training_config(local_run):
     listing = cli_json("ls", env={"FT_CHECKPOINT_DIRPATH": local_run.url})
     assert listing["resume_step"] == STEPS
