@@ -7,7 +7,7 @@
     ft-checkpoint ls DIR [--fast FAST_DIRPATH] [--json] [--key-file PATH] [--run-name NAME]
     ft-checkpoint verify DIR [--step N | --all] [--json] [--key-file PATH] [--run-name NAME]
     ft-checkpoint inspect DIR [--step N] [--json] [--key-file PATH] [--run-name NAME]
-    ft-checkpoint gc DIR --keep N [--keep-every M] [--dry-run] [--json] [--key-file PATH] [--run-name NAME]
+    ft-checkpoint gc DIR --keep N [--keep-every M|0] [--dry-run] [--json] [--key-file PATH] [--run-name NAME]
     ft-checkpoint report DIR [--plot timeline.png] [--json]
 
 Durations are read as the commands print them: ``90`` (seconds), ``30s``, ``15 min``, ``56.7 min``, ``1h30m``,
@@ -523,10 +523,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
     storage = open_storage(args.dir)
     signer = open_signer(args, storage)
+    keep_every, source = milestones_to_keep(args.keep_every)
     newest = max((i for i in list_checkpoints(storage, signer=signer).steps if i.manifest), key=lambda i: i.step,
                  default=None)
     with Progress("gc: verifying the newest step", newest.bytes if newest else 0) as progress:
-        plan = plan_gc(storage, keep_last=args.keep, keep_every_n_steps=args.keep_every, on_bytes=progress.update,
+        plan = plan_gc(storage, keep_last=args.keep, keep_every_n_steps=keep_every, on_bytes=progress.update,
                        signer=signer)
     deleted, left = plan.delete, []
     if not args.dry_run:
@@ -535,7 +536,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         deleted, left = list(done), [url for urls in done.values() for url in urls]
     kept = sorted(set(plan.keep) | (set(plan.delete) - set(deleted)))
     verb = "would delete" if args.dry_run else "deleted"
-    milestones = f" and every multiple of {args.keep_every}" if args.keep_every else ""
+    milestones = f" and every multiple of {keep_every}{source}" if keep_every else ""
     protected = f"; never deletes step {plan.protected}, the newest that verifies" if plan.protected is not None \
         else "; no step verifies"
     lines = [f"{plan.url}: keep the newest {plural(args.keep, 'committed step')}{milestones}{protected}",
@@ -549,6 +550,22 @@ def cmd_gc(args: argparse.Namespace) -> int:
                      f"them aside): {', '.join(f'step {s}' for s in plan.unverified)}")
     emit(args, {**plan.to_dict(), "delete": deleted, "keep": kept, "left_in_place": left, "dry_run": args.dry_run}, lines)
     return 0
+
+
+def milestones_to_keep(option: int | None) -> tuple[int | None, str]:
+    """The ``keep_every_n_steps`` that gc keeps: ``--keep-every`` (0: none), else the training's (env or config
+    file: a milestone the training keeps is never gc's to delete unasked), and where it came from, in words.
+
+    Example:
+        >>> milestones_to_keep(0), milestones_to_keep(100)
+        ((None, ''), (100, ''))
+    """
+    if option is not None:
+        return option or None, ""
+    from ft_checkpoint.config import CheckpointConfig
+
+    configured = CheckpointConfig.from_env().keep_every_n_steps
+    return configured, " (the training's keep_every_n_steps; --keep-every 0 keeps none)"
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -683,6 +700,11 @@ def positive(text: str, maximum: int = MAX_STEP) -> int:
     return int(text)
 
 
+def positive_or_zero(text: str) -> int:
+    """argparse type: 0, or an integer from 1 to 10**12 - 1 (see :func:`positive`)."""
+    return 0 if text.strip() == "0" else positive(text)
+
+
 def _add_directory_commands(sub: Any) -> None:
     """``ls``, ``verify``, ``inspect``, ``gc`` and ``report``: each takes DIR and ``--json``."""
 
@@ -715,7 +737,9 @@ def _add_directory_commands(sub: Any) -> None:
     add_signing(inspect)
     gc = add("gc", cmd_gc, "delete old steps by the retention rules; never the newest step that verifies")
     gc.add_argument("--keep", type=positive, required=True, help="how many of the newest committed steps to keep")
-    gc.add_argument("--keep-every", type=positive, metavar="N", help="also keep every step that is a multiple of N")
+    gc.add_argument("--keep-every", type=positive_or_zero, metavar="N",
+                    help="also keep every step that is a multiple of N (default: the training's keep_every_n_steps, "
+                         "from FT_CHECKPOINT_KEEP_EVERY_N_STEPS or the config file; 0: none)")
     gc.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
     add_signing(gc)
     report = add("report", cmd_report, "goodput of the job from its journal: where the time went, per attempt")

@@ -225,6 +225,19 @@ def test_gc_dry_run_deletes_nothing_then_gc_keeps_the_newest(copy):
     assert [s["step"] for s in cli_json("ls", copy)["steps"]] == [40]
 
 
+def test_gc_keeps_the_milestones_the_training_keeps_unless_told_otherwise(copy, tmp_path):
+    """The training's config (``FT_CHECKPOINT_CONFIG``, whose key and storage options gc reads) keeps every 20th
+    step: gc deleted step 20 all the same. ``--keep-every`` still decides when given; 0 keeps no milestone."""
+    config = tmp_path / "train.yaml"
+    config.write_text("keep_every_n_steps: 20\nkeep_last: 1\n")
+    env = {"FT_CHECKPOINT_CONFIG": str(config)}
+    text = cli("gc", copy, "--keep", 1, "--dry-run", env=env).stdout
+    assert "would delete: step 30" in text and "every multiple of 20 (the training's keep_every_n_steps" in text, text
+    assert cli_json("gc", copy, "--keep", 1, "--keep-every", 15, env=env)["delete"] == [20]
+    assert cli_json("gc", copy, "--keep", 1, "--keep-every", 0, env=env)["delete"] == [30]
+    assert [s["step"] for s in cli_json("ls", copy)["steps"]] == [40]
+
+
 def test_gc_names_a_folder_it_left_in_a_deleted_steps_directory_and_never_calls_that_step_kept(copy):
     """A folder in a step's directory (a user's notes, say): gc deleted the step's manifest and every file, could not
     remove the directory, and then reported the step as kept."""
