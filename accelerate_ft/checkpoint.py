@@ -41,6 +41,7 @@ from ft_checkpoint.config import DEFAULT_SUBDIR, check_names, given
 from ft_checkpoint.save.pending_gradients import PendingGradients
 from ft_checkpoint.save.snapshot import settle_all as settle_snapshots
 from ft_checkpoint.state import rng_state
+from ft_checkpoint.units import plural
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -150,7 +151,7 @@ class FaultTolerantCheckpoint:
         if self.resumed_from is not None:
             self._rng_after_resume = rng_state()
         if self.manager.rank == 0:  # the one line a start gets (the manager's own is off)
-            position = f"epoch {self.epoch}, {self._batches_done} batches of it done"
+            position = f"epoch {self.epoch}, {plural(self._batches_done, 'batch', 'batches')} of it done"
             print(f"ft-checkpoint: {self.manager.describe_start(position)}", file=sys.stderr, flush=True)
 
     def _manager_kwargs(self) -> dict[str, Any]:

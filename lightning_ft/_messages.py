@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ft_checkpoint.policies import interval
-from ft_checkpoint.units import human_seconds
+from ft_checkpoint.units import human_seconds, plural
 from lightning_ft import _lightning_internals as internals
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ def announce_start(trainer: pl.Trainer, manager: CheckpointManager, *, resumed: 
     fast tier (if any) and when it saves."""
     if resumed:
         where = (f"resuming from step {trainer.global_step} (epoch {trainer.current_epoch}, "
-                 f"{internals.batches_done_in_epoch(trainer)} batches of it done; {manager.loaded})")
+                 f"{plural(internals.batches_done_in_epoch(trainer), 'batch', 'batches')} of it done; {manager.loaded})")
     elif resumed_from is None and trainer.ckpt_path is None:
         where = f"no checkpoint in {manager.storage.url} yet: starting fresh"
     else:
