@@ -460,13 +460,20 @@ def _checked(signature: str | None) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from ft_checkpoint.tools.catalog import inspect_step, list_checkpoints
+    from ft_checkpoint.tools.catalog import UNVERIFIED, inspect_step, list_checkpoints
 
     storage = open_storage(args.dir)
     signer = open_signer(args, storage)
-    step = args.step if args.step is not None else list_checkpoints(storage, signer=signer).resume_step
+    listing = list_checkpoints(storage, signer=signer)
+    step = args.step if args.step is not None else listing.resume_step
+    if args.step is not None and args.step not in {i.step for i in listing.steps}:
+        raise UsageError(f"{storage.url} has no step {args.step}; 'ft-checkpoint ls {args.dir or storage.url}' "
+                         "lists the steps")
     if step is None:
-        raise UsageError(f"{storage.url} has no committed step: pass --step N ('ft-checkpoint ls' lists them)")
+        refused = [i.step for i in listing.steps if i.status == UNVERIFIED]
+        why = (f" that verifies with the key given ({plural(len(refused), 'step')} refused: the key or run name may be "
+               "wrong); " if refused else ": ")
+        raise UsageError(f"{storage.url} has no committed step{why}pass --step N ('ft-checkpoint ls' lists them)")
     info = inspect_step(storage, step, signer=signer)
     emit(args, info, _inspect_lines(info))
     return 0

@@ -90,6 +90,16 @@ def test_inspect_shows_a_verified_signature_and_refuses_a_forged_step(run):
     assert "signature: present, not checked" in cli("inspect", run, "--step", 2).stdout
 
 
+def test_inspect_with_another_key_or_a_step_that_is_not_there_says_so(run):
+    """It said "has no committed step" of a run of four steps (none verifies with that key), and "manifest.json is
+    missing" of a step that does not exist."""
+    wrong = cli("inspect", run, env={"FT_CHECKPOINT_SIGNING_KEY": OTHER_KEY})
+    assert wrong.returncode == 2 and "has no committed step that verifies with the key given (4 steps refused" in \
+        wrong.stderr, wrong.stderr
+    missing = cli("inspect", run, "--step", 35)
+    assert missing.returncode == 2 and "has no step 35" in missing.stderr, missing.stderr
+
+
 def test_gc_with_the_key_never_deletes_the_newest_signed_step(run, tmp_path):
     """Without the key, gc kept the newest step that checks (step 4, unsigned, planted) and deleted every signed
     step (the red team's run: the training, with the key, then had no step left). Now it refuses, naming the key."""
