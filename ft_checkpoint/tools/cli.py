@@ -406,9 +406,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     signer = open_signer(args, storage)
     listing = list_checkpoints(storage, signer=signer)
     steps = select_steps(listing, step=args.step, all_steps=args.all)
-    if args.step is not None and args.step not in {i.step for i in listing.steps}:
-        raise UsageError(f"{storage.url} has no step {args.step}; 'ft-checkpoint ls {args.dir or storage.url}' "
-                         "lists the steps")
+    require_step(args, listing)
     if not steps:
         emit(args, {"url": storage.url, "ok": False, "steps": []},
              [f"{storage.url}: no committed step to verify (a resume would start fresh)"])
@@ -459,6 +457,13 @@ def _checked(signature: str | None) -> str:
         signature or "", "sizes and checksums")
 
 
+def require_step(args: argparse.Namespace, listing: Any) -> None:
+    """UsageError unless ``--step`` (if given) names a step directory of the ``listing``."""
+    if args.step is not None and args.step not in {i.step for i in listing.steps}:
+        raise UsageError(f"{listing.url} has no step {args.step}; 'ft-checkpoint ls {args.dir or listing.url}' "
+                         "lists the steps")
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ft_checkpoint.tools.catalog import UNVERIFIED, inspect_step, list_checkpoints
 
@@ -466,9 +471,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     signer = open_signer(args, storage)
     listing = list_checkpoints(storage, signer=signer)
     step = args.step if args.step is not None else listing.resume_step
-    if args.step is not None and args.step not in {i.step for i in listing.steps}:
-        raise UsageError(f"{storage.url} has no step {args.step}; 'ft-checkpoint ls {args.dir or storage.url}' "
-                         "lists the steps")
+    require_step(args, listing)
     if step is None:
         refused = [i.step for i in listing.steps if i.status == UNVERIFIED]
         why = (f" that verifies with the key given ({plural(len(refused), 'step')} refused: the key or run name may be "
