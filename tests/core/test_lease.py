@@ -654,6 +654,19 @@ with CheckpointManager({url!r}, interval=2, keep_last=1, force_takeover=sys.argv
 """
 
 
+def _reading(job: subprocess.Popen) -> tuple[list[str], threading.Thread]:
+    """The lines the ``job`` prints, collected as they come by a thread of their own (started, returned to join)."""
+    output: list[str] = []
+
+    def read() -> None:
+        for line in job.stdout:
+            output.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    return output, reader
+
+
 def _frozen_ranks(output: list[str], n: int, timeout: float = 120.0) -> list[int]:
     """The pids in the job's lines ``STOPPED <pid>``, once there are ``n`` (AssertionError with the output if not
     within ``timeout`` seconds)."""
@@ -694,14 +707,7 @@ def test_two_ranks_frozen_in_their_uploads_never_land_over_the_step_a_two_rank_o
     script.write_text(TWO_RANKS.format(root=ROOT, url=backend.url, options=json.dumps(backend.storage_options)))
     env = s3_server.env()
     zombie = jobs.start(str(script), "zombie", launcher="torchrun", nproc=2, env=env, stderr=subprocess.STDOUT)
-    output: list[str] = []
-
-    def read() -> None:
-        for line in zombie.stdout:
-            output.append(line)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    output, reader = _reading(zombie)
     try:
         pids = _frozen_ranks(output, 2)
         jobs.run(str(script), "owner", launcher="torchrun", nproc=2, env=env, timeout=300).expect(0)
@@ -862,14 +868,7 @@ def test_a_rank_that_stood_still_before_its_save_s_first_collective_writes_nothi
     script = tmp_path / "late_rank.py"
     script.write_text(LATE_RANK.format(root=ROOT, url=url))
     old = jobs.start(str(script), launcher="torchrun", nproc=2, stderr=subprocess.STDOUT)
-    output: list[str] = []
-
-    def read() -> None:
-        for line in old.stdout:
-            output.append(line)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    output, reader = _reading(old)
     try:
         stopped = _frozen_ranks(output, 1)
         wait_until(lambda: "RANK0 WAITS\n" in output, "rank 0 of the old job in its save's first collective")
