@@ -39,8 +39,10 @@ def run_script(out: str, *args: str, env: dict[str, str] | None = None) -> Attem
     return _attempt(jobs.run(SCRIPT, out, *args, out=out, env=env, timeout=TIMEOUT))
 
 
-def launch(out: str, *args: str, tmp_path, env: dict[str, str] | None = None, restarts: int = 3) -> Attempt:
-    """The script on 2 CPU ranks under ``accelerate launch --multi_gpu --max_restarts 3`` (or ``restarts``).
+def launch(out: str, *args: str, tmp_path, env: dict[str, str] | None = None, restarts: int = 3,
+           launcher_args: tuple[str, ...] = ()) -> Attempt:
+    """The script on 2 CPU ranks under ``accelerate launch --multi_gpu --max_restarts 3`` (or ``restarts``),
+    with ``launcher_args`` added to the launcher's own.
 
     On a CPU-only machine ``ACCELERATE_USE_CPU=1`` is what gives 2 gloo ranks (without it both
     processes are rank 0).
@@ -48,7 +50,7 @@ def launch(out: str, *args: str, tmp_path, env: dict[str, str] | None = None, re
     os.makedirs(out, exist_ok=True)
     extra = {"ACCELERATE_USE_CPU": "1", "HF_HOME": str(tmp_path / "hf_home"), **(env or {})}  # no user config
     return _attempt(jobs.run(SCRIPT, out, *args, out=out, launcher="accelerate", nproc=2, restarts=restarts,
-                             launcher_args=["--multi_gpu"], env=extra, timeout=TIMEOUT))
+                             launcher_args=["--multi_gpu", *launcher_args], env=extra, timeout=TIMEOUT))
 
 
 def final(out: str, rank: int = 0) -> dict[str, Any]:
