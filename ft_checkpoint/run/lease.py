@@ -186,7 +186,7 @@ def parse_lease(data: bytes) -> dict[str, Any]:
     obj = jsonfile.load_object(data)
     record: dict[str, Any] = {"attempt": jsonfile.get_str(obj, "attempt"), "host": jsonfile.get_str(obj, "host"),
               "pid": jsonfile.get_int(obj, "pid", minimum=1, maximum=_MAX_PID),
-              "pids": jsonfile.get_str(obj, "pids", optional=True), "legacy": "pids" not in obj,
+              "space": jsonfile.get_str(obj, "space", optional=True), "legacy": "space" not in obj,
               "job": jsonfile.get_str(obj, "job", optional=True), "restarts": _parse_restarts(obj.get("restarts")),
               "heartbeat": jsonfile.get_number(obj, "heartbeat")}
     if record["job"] is not None and is_placeholder(record["job"].partition("=")[2]):
@@ -232,7 +232,7 @@ class Lease:
         self.timeout = float(timeout)
         self.refresh = float(refresh)
         self.owner: dict[str, Any] = {"attempt": attempt, "host": socket.gethostname(), "pid": os.getpid(),
-                                      "pids": process_space(), "job": job_id(), "restarts": launcher_restarts()}
+                                      "space": process_space(), "job": job_id(), "restarts": launcher_restarts()}
         protocols = {storage.fs.protocol} if isinstance(storage.fs.protocol, str) else set(storage.fs.protocol)
         self.fencing = "etag" if protocols & {"s3", "s3a"} else "read-compare-write"
         """How a heartbeat makes sure it overwrites only its own lease (see the module docstring)."""
@@ -391,20 +391,20 @@ class Lease:
             log.warning("could not release the checkpoint lease: %s", e)
 
     # -- deciding ------------------------------------------------------------------------------
-    def _same_pids(self, record: dict[str, Any]) -> bool:
+    def _same_space(self, record: dict[str, Any]) -> bool:
         """Whether the pid in an owner ``record`` names a process this one sees (the module docstring): the same host
         and the same :func:`process_space`, known on both sides (the host alone for a lease of an earlier version)."""
         if record["host"] != self.owner["host"]:
             return False
         if record.get("legacy"):  # a lease of an earlier version records no process space: the host name, as it did
             return True
-        theirs, mine = record.get("pids"), self.owner["pids"]  # None: that process could not tell (no /proc)
+        theirs, mine = record.get("space"), self.owner["space"]  # None: that process could not tell (no /proc)
         return theirs is not None and mine is not None and theirs == mine
 
     def _this_process(self, record: dict[str, Any]) -> bool:
         """Whether ``record`` was written by this very process (an earlier manager): never a lease of an earlier
         version, which this process, that records its process space, did not write."""
-        return not record.get("legacy") and self._same_pids(record) and record["pid"] == self.owner["pid"]
+        return not record.get("legacy") and self._same_space(record) and record["pid"] == self.owner["pid"]
 
     def _mine(self, seen: _Seen) -> bool:
         return seen.record is not None and seen.record["attempt"] == self.owner["attempt"]
@@ -437,7 +437,7 @@ class Lease:
             return "it is this attempt's own"
         if self._this_process(current):
             return "it is this process's own"
-        if self._same_pids(current) and not _pid_alive(current["pid"]):
+        if self._same_space(current) and not _pid_alive(current["pid"]):
             return f"its process {current['pid']} on this host is gone"
         return None
 
@@ -451,15 +451,20 @@ class Lease:
                     f"{force}" + ("" if age is None else f"; it is taken over by itself once it is older than "
                                                          f"{self.timeout:.0f} s"))
         age = time.time() - seen.record["heartbeat"]
-        elsewhere = "" if self._same_pids(seen.record) or seen.record["host"] != self.owner["host"] else (
-            " in another PID namespace (a container or pod of the same host name: its process cannot be seen from here)"
-            if seen.record["pids"] is not None and self.owner["pids"] is not None else
-            " in a PID namespace that cannot be compared with this one's (/proc not mounted, or its boot_id unreadable,"
-            " here or there: its process cannot be told alive from here)")
-        return (f"another job is writing checkpoints to {self.storage.url}: {_describe(seen)}{elsewhere}, last heartbeat "
+        return (f"another job is writing checkpoints to {self.storage.url}: {_describe(seen)}"
+                f"{self._elsewhere(seen.record)}, last heartbeat "
                 f"{_ago(age)}. Two writers would delete each other's checkpoints. HINT: give this job its own "
                 f"dirpath, or wait for that job to end (its lease expires {self.timeout:.0f} s after its last "
                 f"heartbeat), or {force}")
+
+    def _elsewhere(self, record: dict[str, Any]) -> str:
+        """Where the owner ``record`` runs, when its host name is this one's but its pid names no process here."""
+        if self._same_space(record) or record["host"] != self.owner["host"]:
+            return ""
+        if record["space"] is not None and self.owner["space"] is not None:
+            return " in another PID namespace (a container or pod of the same host name: its process cannot be seen from here)"
+        return (" in a PID namespace that cannot be compared with this one's (/proc not mounted, or its boot_id "
+                "unreadable, here or there: its process cannot be told alive from here)")
 
     def _lose(self, seen: _Seen) -> None:
         """Record (once) that the lease is no longer ours, and say so."""

@@ -980,7 +980,7 @@ def test_a_rank_whose_writes_outlast_a_sight_of_the_lease_still_finds_it_its_own
 
 
 def test_a_lease_of_an_earlier_version_with_this_process_s_pid_is_never_taken_for_this_process_s_own(tmp_path):
-    """A rolling upgrade: the old pod (an earlier version, no ``pids`` in its lease) is alive as pid 1; the new pod,
+    """A rolling upgrade: the old pod (an earlier version, no ``space`` in its lease) is alive as pid 1; the new pod,
     same host name, is pid 1 too. This process writes its process space, so a lease without one is not its own."""
     import socket
 
