@@ -46,6 +46,7 @@ from ft_checkpoint.progress import Progress
 from ft_checkpoint.units import DURATION_EXAMPLES, human_bytes, human_seconds, parse_duration, plural, printable, short
 
 if TYPE_CHECKING:
+    from ft_checkpoint.config import CheckpointConfig
     from ft_checkpoint.format.signing import Signer
     from ft_checkpoint.store.storage import Storage
 
@@ -299,17 +300,27 @@ def utc(t: float | None) -> str:
         return f"{t:g} (not a date)"
 
 
-def open_storage(url: str | None) -> Storage:
-    """The checkpoint directory ``url`` (or ``FT_CHECKPOINT_DIRPATH``), with the training's storage options."""
-    from ft_checkpoint.config import CheckpointConfig, refuse_careless_text
+def training_config(args: argparse.Namespace) -> CheckpointConfig:
+    """The training's configuration (``FT_CHECKPOINT_*`` and its config file), read once per command."""
+    from ft_checkpoint.config import CheckpointConfig
+
+    if getattr(args, "training_config", None) is None:
+        args.training_config = CheckpointConfig.from_env()
+    config: CheckpointConfig = args.training_config
+    return config
+
+
+def open_storage(args: argparse.Namespace) -> Storage:
+    """The checkpoint directory ``args.dir`` (or the training's ``dirpath``), with the training's storage options."""
+    from ft_checkpoint.config import refuse_careless_text
     from ft_checkpoint.errors import ConfigError
     from ft_checkpoint.store.storage import Storage
     from ft_checkpoint.tools.catalog import require_directory
 
-    if url:  # as a dirpath is checked: an end space, quotes or a variable nobody expanded name another directory
-        refuse_careless_text("DIR", url)
-    config = CheckpointConfig.from_env()
-    url = url or config.dirpath
+    if args.dir:  # as a dirpath is checked: an end space, quotes or a variable nobody expanded name another directory
+        refuse_careless_text("DIR", args.dir)
+    config = training_config(args)
+    url = args.dir or config.dirpath
     if not url:
         raise ConfigError("no checkpoint directory given: pass DIR (a local path or a URL such as "
                           "gs://bucket/run) or set FT_CHECKPOINT_DIRPATH")
@@ -321,10 +332,9 @@ def open_storage(url: str | None) -> Storage:
 def open_signer(args: argparse.Namespace, storage: Storage) -> Signer | None:
     """The signer of ``--key-file`` (else the training's key: env or config file) and ``--run-name`` (else the
     training's, else the directory's URL); None without a key."""
-    from ft_checkpoint.config import CheckpointConfig
     from ft_checkpoint.format.signing import Signer
 
-    config = CheckpointConfig.from_env()
+    config = training_config(args)
     if args.key_file is not None:  # the option wins over a key in the environment
         config = config.replace(signing_key=None, signing_key_file=args.key_file)
     if args.run_name is not None:
@@ -353,7 +363,7 @@ def emit(args: argparse.Namespace, data: Any, lines: list[str]) -> None:
 def cmd_ls(args: argparse.Namespace) -> int:
     from ft_checkpoint.tools.catalog import UNVERIFIED, fast_tier_steps, list_checkpoints
 
-    storage = open_storage(args.dir)
+    storage = open_storage(args)
     if args.fast and not os.path.isdir(args.fast):
         raise UsageError(f"--fast {args.fast}: {'not a directory' if os.path.exists(args.fast) else 'no such directory'}. "
                          "HINT: pass the job's fast_dirpath on this node (such as /dev/shm/ft)")
@@ -402,7 +412,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from ft_checkpoint.format.layout import REFUSED
     from ft_checkpoint.tools.catalog import check_step, list_checkpoints, select_steps
 
-    storage = open_storage(args.dir)
+    storage = open_storage(args)
     signer = open_signer(args, storage)
     listing = list_checkpoints(storage, signer=signer)
     steps = select_steps(listing, step=args.step, all_steps=args.all)
@@ -467,7 +477,7 @@ def require_step(args: argparse.Namespace, listing: Any) -> None:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ft_checkpoint.tools.catalog import UNVERIFIED, inspect_step, list_checkpoints
 
-    storage = open_storage(args.dir)
+    storage = open_storage(args)
     signer = open_signer(args, storage)
     listing = list_checkpoints(storage, signer=signer)
     step = args.step if args.step is not None else listing.resume_step
@@ -531,9 +541,9 @@ def _deepspeed_lines(metadata: Any) -> list[str]:
 def cmd_gc(args: argparse.Namespace) -> int:
     from ft_checkpoint.tools.catalog import apply_gc, list_checkpoints, plan_gc
 
-    storage = open_storage(args.dir)
+    storage = open_storage(args)
     signer = open_signer(args, storage)
-    keep_every, source = milestones_to_keep(args.keep_every)
+    keep_every, source = milestones_to_keep(args)
     newest = max((i for i in list_checkpoints(storage, signer=signer).steps if i.manifest), key=lambda i: i.step,
                  default=None)
     with Progress("gc: verifying the newest step", newest.bytes if newest else 0) as progress:
@@ -562,26 +572,24 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
-def milestones_to_keep(option: int | None) -> tuple[int | None, str]:
+def milestones_to_keep(args: argparse.Namespace) -> tuple[int | None, str]:
     """The ``keep_every_n_steps`` that gc keeps: ``--keep-every`` (0: none), else the training's (env or config
     file: a milestone the training keeps is never gc's to delete unasked), and where it came from, in words.
 
     Example:
-        >>> milestones_to_keep(0), milestones_to_keep(100)
-        ((None, ''), (100, ''))
+        >>> milestones_to_keep(argparse.Namespace(keep_every=0)), milestones_to_keep(argparse.Namespace(keep_every=9))
+        ((None, ''), (9, ''))
     """
-    if option is not None:
-        return option or None, ""
-    from ft_checkpoint.config import CheckpointConfig
-
-    configured = CheckpointConfig.from_env().keep_every_n_steps
+    if args.keep_every is not None:
+        return args.keep_every or None, ""
+    configured = training_config(args).keep_every_n_steps
     return configured, " (the training's keep_every_n_steps; --keep-every 0 keeps none)"
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     from ft_checkpoint.tools.goodput import goodput_report, plot_timeline
 
-    report = goodput_report(open_storage(args.dir))
+    report = goodput_report(open_storage(args))
     if args.plot:
         try:
             plot_timeline(report, args.plot)
