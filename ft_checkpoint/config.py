@@ -188,6 +188,10 @@ class CheckpointConfig:
     """This node's name for the fast tier (whose files its folder holds). Default: the host name and
     ``fast_dirpath``; torchrun's node rank is not used, since its c10d rendezvous renumbers nodes at each restart."""
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> CheckpointConfig:
+        check_names(kwargs)  # a typo: a ConfigError naming the closest field, not the generated __init__'s TypeError
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         for name, validate in _VALIDATORS.items():
             object.__setattr__(self, name, _validated(name, validate, getattr(self, name)))
@@ -533,7 +537,7 @@ def _parse_env_value(field: str, text: str) -> Any:
                  "fast_replicas"):
         digits = word.removeprefix("-").removeprefix("+")
         if not (digits.isascii() and digits.isdigit() and len(digits) <= 20):
-            _bad(field, text, "an integer")
+            return text  # the field's check refuses it, naming the range
         return int(word)
     if field == "storage_options":
         try:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import datetime
 import math
 import os
+import pickle
 import re
 from decimal import Decimal
 from fractions import Fraction
@@ -47,6 +50,11 @@ def test_unknown_field_suggests_the_right_one():
         CheckpointConfig.from_env(keep_lsat=2)
     with pytest.raises(ConfigError, match="keep_lsat"):
         CheckpointManager("memory://cfg", keep_lsat=2)
+    with pytest.raises(ConfigError, match="'keep_lsat'.*did you mean 'keep_last'"):  # it was a bare TypeError
+        CheckpointConfig(keep_lsat=2)
+    config = CheckpointConfig(keep_last=2)
+    assert dataclasses.replace(config, keep_last=3).keep_last == 3 and copy.deepcopy(config) == config
+    assert pickle.loads(pickle.dumps(config)) == config
 
 
 def test_interval_forms():
@@ -94,14 +102,15 @@ def test_env_storage_options_is_json(monkeypatch):
         CheckpointConfig.from_env()
 
 
-@pytest.mark.parametrize("var,value,field", [
-    ("FT_CHECKPOINT_KEEP_LAST", "many", "keep_last"),
-    ("FT_CHECKPOINT_INTERVAL", "often", "interval"),
-    ("FT_CHECKPOINT_SAVE_RNG_STATE", "maybe", "save_rng_state"),
+@pytest.mark.parametrize("var,value,field,allowed", [
+    ("FT_CHECKPOINT_KEEP_LAST", "many", "keep_last", "an integer from 1 to "),  # the range too: it said "an integer"
+    ("FT_CHECKPOINT_WRITERS", "4.5", "writers", "an integer from 1 to 64"),
+    ("FT_CHECKPOINT_INTERVAL", "often", "interval", ""),
+    ("FT_CHECKPOINT_SAVE_RNG_STATE", "maybe", "save_rng_state", "one of 1/0"),
 ])
-def test_bad_env_value_names_field(monkeypatch, var, value, field):
+def test_bad_env_value_names_field(monkeypatch, var, value, field, allowed):
     monkeypatch.setenv(var, value)
-    with pytest.raises(ConfigError, match=f"^{field}='{value}'"):
+    with pytest.raises(ConfigError, match=f"^{field}='{value}' is invalid.*{allowed}"):
         CheckpointConfig.from_env()
 
 
