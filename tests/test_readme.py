@@ -27,3 +27,13 @@ def test_main_job_example_exists():
     main_job, _ = readme_commands()
     script = main_job.split("python ")[-1].split()[0]
     assert os.path.exists(os.path.join(ROOT, script))
+
+
+def test_the_configuration_table_names_every_setting():
+    """Each CheckpointConfig field has a row in the README's table (writer, writer_priority, writers had none)."""
+    from ft_checkpoint.config import FIELDS
+
+    with open(os.path.join(ROOT, "README.md")) as f:
+        table = f.read().split("| field | default | meaning |", 1)[1].split("\n\n", 1)[0]
+    rows = {name for line in table.splitlines() if line.startswith("| ") for name in re.findall(r"`(\w+)`", line.split("|")[1])}
+    assert set(FIELDS) - rows == set()
