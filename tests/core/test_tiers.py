@@ -735,7 +735,9 @@ def test_ls_shows_which_tiers_hold_each_step_and_inspect_shows_a_fast_tier_part(
     url, fast = str(tmp_path / "ckpt"), str(tmp_path / "fast")
     run(url, fast, 5)  # durable step 4, fast step 5 (4 was deleted from the fast tier when 5 committed)
     assert main(["ls", url, "--fast", fast]) == 0
-    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.split()[:1] in (["4"], ["5"])}
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.split()[:1] in (["4"], ["5"])}
+    assert "newest committed here: step 4; a resume tries the fast tier's step 5 first" in out.splitlines()[0], out
     assert "durable" in rows["4"] and "fast" not in rows["4"]
     assert "committed" in rows["5"] and "fast (1 rank here)" in rows["5"]
     assert main(["ls", url, "--fast", fast, "--json"]) == 0
