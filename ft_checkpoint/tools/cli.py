@@ -616,7 +616,8 @@ def _report_lines(report: Any) -> list[str]:
         redo = "-" if a.recomputed_steps is None and not a.recomputed_s else \
             f"{'?' if a.recomputed_steps is None else at_least + str(a.recomputed_steps)} steps, {human_seconds(a.recomputed_s)}"
         rows.append([str(n), utc(a.start), human_seconds(a.duration_s), a.outcome,
-                     f"{a.resumed_from or 0}->{'?' if a.last_step is None else a.last_step}", human_seconds(a.stall_s),
+                     f"{a.resumed_from or 0}->" + ("(none noted)" if a.last_step is None else str(a.last_step)),
+                     human_seconds(a.stall_s),
                      human_seconds(a.load_s), redo, "-" if a.gap_after_s is None else human_seconds(a.gap_after_s)])
     lines += table(["#", "started (UTC)", "ran", "outcome", "steps", "stall", "loading", "recomputed", "gap after"],
                    rows, "><><>>>>>")

@@ -101,6 +101,10 @@ def test_a_fresh_restart_recomputes_everything_and_unknown_progress_stays_unknow
     lost, unknown, _ = goodput_report(s).attempts
     assert lost.attempt == first and lost.recomputed_steps == 7 and lost.recomputed_since == lost.start
     assert unknown.outcome == "failed" and unknown.recomputed_steps is None and unknown.last_step is None
+    from ft_checkpoint.tools.cli import _report_lines
+
+    row = _report_lines(goodput_report(s))[3]
+    assert "0->(none noted)" in row, row  # it showed "0->?"
 
 
 def test_no_journal(tmp_path):
