@@ -40,6 +40,15 @@ def each_manager_as_if_in_a_new_process(monkeypatch):
     monkeypatch.setattr(manager, "_saved_by_this_process", _Forgotten())
 
 
+@pytest.fixture
+def short_wait_after_takeover(monkeypatch):
+    """A job that takes over a lease whose owner may be alive waits 30 s (:attr:`Lease.recent`) before its first save;
+    here 0.5 s: for the tests about what leads to a takeover, not about that wait (``tests/core/test_lease.py``)."""
+    from ft_checkpoint.run.lease import Lease
+
+    monkeypatch.setattr(Lease, "recent", property(lambda self: 0.5))
+
+
 @pytest.fixture(scope="session")
 def gcs_server():
     server = servers.start("gcs")

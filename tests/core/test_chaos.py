@@ -29,9 +29,9 @@ def chaos(framework: str, *args: str) -> tuple[str, dict[str, int]]:
 def test_chaos_short(framework):
     if framework != "core":
         pytest.importorskip(framework)
-    _, t = chaos(framework, "--trials", "2", "--max-kills", "2", "--seed", "1")
-    assert (t["trials"], t["exact"], t["lost"], t["corrupt"]) == (2, 2, 0, 0), t
-    assert t["kills"] >= 2 and t["resumes"] >= 1, t
+    _, t = chaos(framework, "--trials", "1", "--max-kills", "2", "--seed", "1")  # longer runs: benchmarks/chaos.py
+    assert (t["trials"], t["exact"], t["lost"], t["corrupt"]) == (1, 1, 0, 0), t
+    assert t["kills"] >= 1 and t["resumes"] >= 1, t
 
 
 def test_chaos_with_transient_storage_errors():

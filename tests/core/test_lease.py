@@ -376,7 +376,7 @@ def test_a_heartbeat_slightly_ahead_is_clock_skew_not_garbage(tmp_path):
         Lease(storage, attempt="new").acquire()
 
 
-def test_manager_with_a_garbage_lease_refuses_clearly_then_takes_it_by_force(tmp_path):
+def test_manager_with_a_garbage_lease_refuses_clearly_then_takes_it_by_force(short_wait_after_takeover, tmp_path):
     url = str(tmp_path / "ckpt")
     os.makedirs(url)
     with open(os.path.join(url, LEASE), "wb") as f:

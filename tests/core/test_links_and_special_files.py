@@ -264,7 +264,7 @@ def test_a_control_file_is_never_read_through_a_step_directory_swapped_for_a_lin
 
 
 @pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero", "directory"])
-def test_a_lease_that_is_no_regular_file_refuses_clearly_and_force_takeover_replaces_it(tmp_path, kind):
+def test_a_lease_that_is_no_regular_file_refuses_clearly_and_force_takeover_replaces_it(short_wait_after_takeover, tmp_path, kind):
     url = str(tmp_path / "ckpt")
     os.makedirs(url)
     lease = os.path.join(url, "lease.json")
@@ -368,7 +368,7 @@ def plant_lease(url: str, *, heartbeat: float, mtime: float | None = None, garba
 
 
 @pytest.mark.parametrize("case", ["heartbeat in 2100", "heartbeat and mtime in 2100", "unreadable, mtime in 2100"])
-def test_a_lease_from_the_future_is_stale_and_the_takeover_says_why(tmp_path, case, caplog):
+def test_a_lease_from_the_future_is_stale_and_the_takeover_says_why(short_wait_after_takeover, tmp_path, case, caplog):
     url = str(tmp_path / "ckpt")
     plant_lease(url, heartbeat=YEAR_2100, mtime=None if case == "heartbeat in 2100" else YEAR_2100,
                 garbage=case.startswith("unreadable"))
