@@ -264,7 +264,8 @@ def test_a_control_file_is_never_read_through_a_step_directory_swapped_for_a_lin
 
 
 @pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero", "directory"])
-def test_a_lease_that_is_no_regular_file_refuses_clearly_and_force_takeover_replaces_it(short_wait_after_takeover, tmp_path, kind):
+def test_a_lease_that_is_no_regular_file_refuses_clearly_and_force_takeover_replaces_it(short_wait_after_takeover,
+                                                                                         tmp_path, kind):
     url = str(tmp_path / "ckpt")
     os.makedirs(url)
     lease = os.path.join(url, "lease.json")

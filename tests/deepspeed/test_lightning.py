@@ -51,8 +51,8 @@ def test_the_cpu_bypass_still_matches_lightning():
     assert "parallel_devices" in inspect.signature(DeepSpeedStrategy).parameters
 
 
-@pytest.mark.parametrize("stage,fast", [(1, False), (2, False), (3, False), (2, True)],
-                         ids=["stage1", "stage2", "stage3", "stage2-fast-tier"])
+@pytest.mark.parametrize("stage,fast", [(2, False), (3, False), (2, True)],  # stage 1 saves as 2: see test_plain.py
+                         ids=["stage2", "stage3", "stage2-fast-tier"])
 def test_deepspeed_strategy_killed_mid_epoch_resumes_bit_exact(tmp_path, stage, fast):
     """With ``fast``: a fast tier saved at every step (the durable tier every 3): the resume takes the killed step
     from it."""

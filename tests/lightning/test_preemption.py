@@ -45,7 +45,7 @@ def ddp_reference(job, tmp_path_factory):
     return str(root / "out" / "final.pt")
 
 
-@pytest.mark.parametrize("sig", ["SIGUSR1", "SIGTERM"])
+@pytest.mark.parametrize("sig", ["SIGUSR1"])  # SIGTERM to rank 0 on DDP: "rank 0 in a validation" below
 def test_ddp_signal_to_rank_0_stops_both_ranks_at_one_step(job, tmp_path, ddp_reference, sig):
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
     job.run(ckpt, out, *DDP, "--signal-in-step", 0, "--signal", sig)  # rank 0 alone: the ranks agree
