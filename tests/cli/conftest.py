@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
+import io
 import json
+import logging
 import os
 import pty
 import signal
@@ -24,16 +27,45 @@ TIMEOUT = 180  # one training process, on a shared 2-core machine
 HANG_AT, INTERVAL, STEPS = 30, 10, 40
 
 
-def cli(*args: Any, env: dict[str, str | None] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run the real ``ft-checkpoint`` console entry point as a subprocess (``env`` values of None unset)."""
+def cli(*args: Any, env: dict[str, str | None] | None = None, timeout: float = 120,
+        process: bool = False) -> subprocess.CompletedProcess:
+    """Run the ``ft-checkpoint`` command line (``env`` values of None unset): its ``main`` in this process, its output
+    and exit code captured, or with ``process`` the real console entry point as a subprocess.
+
+    In this process by default: a subprocess imports torch for ``verify`` and ``gc`` (the rank files), 2-4 s a call on
+    a loaded 2-core machine, and the CLI tests make over a hundred calls. ``main`` is what the console script calls;
+    ``test_python_m_ft_checkpoint_runs_the_cli``, the examples' tests and the ``LIVE_JOB`` race run the real entry
+    point."""
     cmd = [sys.executable, "-m", "ft_checkpoint.tools.cli", *map(str, args)]
     full = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=full)
+    if process:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=full)
+    return _in_this_process(cmd, full)
 
 
-def cli_json(*args: Any, env: dict[str, str] | None = None, rc: int = 0) -> Any:
+def _in_this_process(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    from ft_checkpoint.tools.cli import main
+
+    before, handlers = dict(os.environ), list(logging.getLogger("ft_checkpoint").handlers)
+    out, err = io.StringIO(), io.StringIO()
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(cmd[3:])
+            except SystemExit as e:  # argparse: a usage error (2), --help or --version (0)
+                code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+        logging.getLogger("ft_checkpoint").handlers[:] = handlers  # main's stderr handler: for this call only
+    return subprocess.CompletedProcess(cmd, code, out.getvalue(), err.getvalue())
+
+
+def cli_json(*args: Any, env: dict[str, str] | None = None, rc: int = 0, process: bool = False) -> Any:
     """``cli(..., "--json")``, checking the exit code; returns the parsed output."""
-    proc = cli(*args, "--json", env=env)
+    proc = cli(*args, "--json", env=env, process=process)
     assert proc.returncode == rc, proc.stdout + proc.stderr
     return json.loads(proc.stdout)
 

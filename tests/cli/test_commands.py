@@ -413,7 +413,8 @@ def test_verify_and_gc_on_a_directory_a_running_job_saves_to(tmp_path):
                            stderr=subprocess.PIPE, text=True)
     try:
         assert job.stdout.readline().strip() == "RUNNING"
-        runs = [cli(command, url, *extra) for _ in range(4) for command, extra in (("verify", ()), ("gc", ("--keep", "1")))]
+        runs = [cli(command, url, *extra, process=True) for _ in range(4)
+                for command, extra in (("verify", ()), ("gc", ("--keep", "1")))]
     finally:
         job.kill()
         job.wait()

@@ -45,12 +45,12 @@ def number(pattern: str, text: str) -> int:
 
 def check_directory(url: str, resumed_from: int, recomputed: int, env: dict[str, str] | None = None) -> None:
     """ls, verify, a byte flip, and the report, against what the example says happened."""
-    listing = cli_json("ls", url, env=env)
+    listing = cli_json("ls", url, env=env, process=True)
     assert listing["resume_step"] == max(s["step"] for s in listing["steps"])
     assert all(s["status"] == "committed" for s in listing["steps"])
-    assert cli("verify", url, "--all", env=env).returncode == 0
+    assert cli("verify", url, "--all", env=env, process=True).returncode == 0
 
-    report = cli_json("report", url, env=env)
+    report = cli_json("report", url, env=env, process=True)
     killed, resumed = report["attempts"]
     assert report["total"]["failures"] == 1 and killed["outcome"] == "failed"
     assert resumed["resumed_from"] == resumed_from and resumed["outcome"] == "clean_end"
@@ -66,7 +66,7 @@ def check_directory(url: str, resumed_from: int, recomputed: int, env: dict[str,
     data = bytearray(fs.cat_file(path))
     data[100] ^= 0xFF
     fs.pipe_file(path, bytes(data))
-    bad = cli("verify", copy, env=env)
+    bad = cli("verify", copy, env=env, process=True)
     assert bad.returncode == 1 and f"{newest}: does not match its checksum" in bad.stdout, bad.stdout + bad.stderr
 
 
