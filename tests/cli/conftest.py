@@ -44,9 +44,14 @@ def cli(*args: Any, env: dict[str, str | None] | None = None, timeout: float = 1
 
 
 def _in_this_process(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``main`` as a new process would run it: ``env`` as its environment, no variable warned about yet; what the
+    call changed of the process (environment, warnings given, log handlers) is put back after it."""
+    from ft_checkpoint import config
     from ft_checkpoint.tools.cli import main
 
     before, handlers = dict(os.environ), list(logging.getLogger("ft_checkpoint").handlers)
+    warned = set(config._warned_env)
+    config._warned_env.clear()
     out, err = io.StringIO(), io.StringIO()
     os.environ.clear()
     os.environ.update(env)
@@ -60,6 +65,8 @@ def _in_this_process(cmd: list[str], env: dict[str, str]) -> subprocess.Complete
         os.environ.clear()
         os.environ.update(before)
         logging.getLogger("ft_checkpoint").handlers[:] = handlers  # main's stderr handler: for this call only
+        config._warned_env.clear()
+        config._warned_env.update(warned)
     return subprocess.CompletedProcess(cmd, code, out.getvalue(), err.getvalue())
 
 
