@@ -27,10 +27,11 @@ TIMEOUT = 180  # one training process, on a shared 2-core machine
 HANG_AT, INTERVAL, STEPS = 30, 10, 40
 
 
-def cli(*args: Any, env: dict[str, str | None] | None = None, timeout: float = 120,
+def cli(*args: Any, env: dict[str, str | None] | None = None, timeout: float | None = None,
         process: bool = False) -> subprocess.CompletedProcess:
     """Run the ``ft-checkpoint`` command line (``env`` values of None unset): its ``main`` in this process, its output
-    and exit code captured, or with ``process`` the real console entry point as a subprocess.
+    and exit code captured, or with ``process`` the real console entry point as a subprocess; so too with a
+    ``timeout``, the guard of a test about a hang (a FIFO, say), which a call in this process could not end.
 
     In this process by default: a subprocess imports torch for ``verify`` and ``gc`` (the rank files), 2-4 s a call on
     a loaded 2-core machine, and the CLI tests make over a hundred calls. ``main`` is what the console script calls;
@@ -38,8 +39,8 @@ def cli(*args: Any, env: dict[str, str | None] | None = None, timeout: float = 1
     point."""
     cmd = [sys.executable, "-m", "ft_checkpoint.tools.cli", *map(str, args)]
     full = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
-    if process:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=full)
+    if process or timeout is not None:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout or 120, cwd=ROOT, env=full)
     return _in_this_process(cmd, full)
 
 
