@@ -315,6 +315,7 @@ def test_s3_connections_limit_silence_beside_the_users_connector_args():
         "socket_factory": socket.socket}
 
 
+@pytest.mark.slow  # waits out a hung store's retry window: 12.6 s of the quick tier's 3 minutes
 def test_a_job_whose_store_hangs_ends_after_one_retry_window_not_one_per_bookkeeping_write(monkeypatch, caplog):
     """A real S3 server stopped (SIGSTOP) while a job runs: its save fails after one retry window, and its exit
     (the journal's ``save_failed`` event and progress note, the lease's release) must not wait a full window for
