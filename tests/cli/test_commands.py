@@ -225,7 +225,6 @@ def test_gc_dry_run_deletes_nothing_then_gc_keeps_the_newest(copy):
     assert [s["step"] for s in cli_json("ls", copy)["steps"]] == [40]
 
 
-@pytest.mark.slow  # CLI subprocesses: over 5 s
 def test_gc_keeps_the_milestones_the_training_keeps_unless_told_otherwise(copy, tmp_path):
     """The training's config (``FT_CHECKPOINT_CONFIG``, whose key and storage options gc reads) keeps every 20th
     step: gc deleted step 20 all the same. ``--keep-every`` still decides when given; 0 keeps no milestone."""
@@ -314,7 +313,6 @@ def test_errors_say_what_to_do(tmp_path):
     assert empty.returncode == 1 and "no committed step" in empty.stdout
 
 
-@pytest.mark.slow  # CLI subprocesses: over 5 s
 def test_a_dir_with_an_end_space_quotes_or_an_unexpanded_variable_is_refused_as_a_dirpath_is(tmp_path):
     """``ls "run "`` said "does not exist" of a directory that exists (the space does not show); the training's
     ``dirpath`` check says what is wrong, and now so does the CLI's ``DIR``."""

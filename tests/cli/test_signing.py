@@ -90,7 +90,6 @@ def test_inspect_shows_a_verified_signature_and_refuses_a_forged_step(run):
     assert "signature: present, not checked" in cli("inspect", run, "--step", 2).stdout
 
 
-@pytest.mark.slow  # CLI subprocesses: over 5 s
 def test_inspect_with_another_key_or_a_step_that_is_not_there_says_so(run):
     """It said "has no committed step" of a run of four steps (none verifies with that key), and "manifest.json is
     missing" of a step that does not exist."""
