@@ -189,7 +189,9 @@ class CheckpointConfig:
     ``fast_dirpath``; torchrun's node rank is not used, since its c10d rendezvous renumbers nodes at each restart."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> CheckpointConfig:
-        check_names(kwargs)  # a typo: a ConfigError naming the closest field, not the generated __init__'s TypeError
+        own = () if cls is CheckpointConfig else {f.name for f in dataclasses.fields(cls)}  # a subclass's fields too
+        # a typo: a ConfigError naming the closest field, not the generated __init__'s TypeError
+        check_names([k for k in kwargs if k not in own])
         return super().__new__(cls)
 
     def __post_init__(self) -> None:
@@ -536,8 +538,8 @@ def _parse_env_value(field: str, text: str) -> Any:
     if field in ("keep_last", "retries", "keep_every_n_steps", "preemption_exit_code", "writer_priority", "writers",
                  "fast_replicas"):
         digits = word.removeprefix("-").removeprefix("+")
-        if not (digits.isascii() and digits.isdigit() and len(digits) <= 20):
-            return text  # the field's check refuses it, naming the range
+        if not (digits.isascii() and digits.isdigit() and len(digits) <= 20):  # refused now, naming the range:
+            return _validated(field, _VALIDATORS[field], text)  # an explicit value given with it hides it later
         return int(word)
     if field == "storage_options":
         try:

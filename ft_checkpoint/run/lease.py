@@ -186,12 +186,18 @@ def parse_lease(data: bytes) -> dict[str, Any]:
     obj = jsonfile.load_object(data)
     record: dict[str, Any] = {"attempt": jsonfile.get_str(obj, "attempt"), "host": jsonfile.get_str(obj, "host"),
               "pid": jsonfile.get_int(obj, "pid", minimum=1, maximum=_MAX_PID),
-              "space": jsonfile.get_str(obj, "space", optional=True), "legacy": "space" not in obj,
+              "space": _space(obj), "legacy": "space" not in obj and "pids" not in obj,
               "job": jsonfile.get_str(obj, "job", optional=True), "restarts": _parse_restarts(obj.get("restarts")),
               "heartbeat": jsonfile.get_number(obj, "heartbeat")}
     if record["job"] is not None and is_placeholder(record["job"].partition("=")[2]):
         record["job"] = None  # written by a version that took "none" for an id
     return record
+
+
+def _space(obj: dict[str, Any]) -> str | None:
+    """The owner's process space: ``space``, or ``pids``, its name in development builds before 0.2 (such an owner
+    is judged by its process space too, never as a lease of an earlier version: the host name alone)."""
+    return jsonfile.get_str(obj, "space" if "space" in obj else "pids", optional=True)
 
 
 def _parse_restarts(value: Any) -> dict[str, int]:

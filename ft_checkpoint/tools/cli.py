@@ -374,10 +374,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
     signed = " with a signature that verifies" if signer is not None else ""
     pick = f"newest committed{signed}: step {newest} (a resume tries it first)" if newest is not None else \
         "no committed step: a resume would start fresh"
-    if listing.resume_step is None and any(i.status == UNVERIFIED for i in listing.steps):
+    refused = listing.resume_step is None and any(i.status == UNVERIFIED for i in listing.steps)
+    if refused:  # so does the resume, whatever the fast tier holds
         pick = "no step verifies with the key: a resume would stop with an error (the key or run name may be wrong)"
     newer_fast = [s for s, held in fast.items() if held["committed"] and (newest is None or s > newest)]
-    if newer_fast:  # the resume's first choice: the footer says on what condition
+    if newer_fast and not refused:  # the resume's first choice: the footer says on what condition
         pick = (f"newest committed{signed} here: {'none' if newest is None else f'step {newest}'}; a resume tries the "
                 f"fast tier's step {max(newer_fast)} first (below)")
     lines = [f"{listing.url}: {plural(len(listing.steps), 'step directory', 'step directories')}; {pick}"]

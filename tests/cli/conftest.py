@@ -48,11 +48,14 @@ def _in_this_process(cmd: list[str], env: dict[str, str]) -> subprocess.Complete
     """``main`` as a new process would run it: ``env`` as its environment, no variable warned about yet; what the
     call changed of the process (environment, warnings given, log handlers) is put back after it."""
     from ft_checkpoint import config
+    from ft_checkpoint.format import layout
     from ft_checkpoint.tools.cli import main
 
     before, handlers = dict(os.environ), list(logging.getLogger("ft_checkpoint").handlers)
-    warned = set(config._warned_env)
-    config._warned_env.clear()
+    once = (config._warned_env, layout._WARNED)  # the warnings a process gives once
+    warned = [set(given) for given in once]
+    for given in once:
+        given.clear()
     out, err = io.StringIO(), io.StringIO()
     os.environ.clear()
     os.environ.update(env)
@@ -66,8 +69,9 @@ def _in_this_process(cmd: list[str], env: dict[str, str]) -> subprocess.Complete
         os.environ.clear()
         os.environ.update(before)
         logging.getLogger("ft_checkpoint").handlers[:] = handlers  # main's stderr handler: for this call only
-        config._warned_env.clear()
-        config._warned_env.update(warned)
+        for given, kept in zip(once, warned):
+            given.clear()
+            given.update(kept)
     return subprocess.CompletedProcess(cmd, code, out.getvalue(), err.getvalue())
 
 

@@ -123,8 +123,10 @@ def test_gc_with_the_key_counts_only_steps_that_verify(run, tmp_path):
     plan = cli_json("gc", copy, "--keep", 2, "--run-name", run, env=WITH_KEY)
     assert plan["delete"] == [] and plan["protected"] == 2
     assert plan["unverified"] == [3, 4, *FORGED], "refused steps are reported, neither kept nor deleted"
-    text = cli("gc", copy, "--keep", 1, "--run-name", run, env=WITH_KEY).stdout
+    second = cli("gc", copy, "--keep", 1, "--run-name", run, env=WITH_KEY)
+    text = second.stdout
     assert "deleted: step 1\n" in text and "left as they are (their signature does not verify" in text, text
+    assert "does not count as committed" in second.stderr, "each call warns as a new process does"
     assert sorted(int(n[5:]) for n in os.listdir(copy) if n.startswith("step_")) == [2, 3, 4, *FORGED]
 
 

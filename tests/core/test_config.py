@@ -114,6 +114,24 @@ def test_bad_env_value_names_field(monkeypatch, var, value, field, allowed):
         CheckpointConfig.from_env()
 
 
+def test_a_bad_integer_in_the_environment_is_refused_even_where_the_caller_sets_that_field(monkeypatch):
+    """An integration passes its own keep_last; the user's typo'd FT_CHECKPOINT_KEEP_LAST was let through unseen."""
+    monkeypatch.setenv("FT_CHECKPOINT_KEEP_LAST", "many")
+    with pytest.raises(ConfigError, match="^keep_last='many' is invalid.*an integer from 1 to "):
+        CheckpointConfig.from_env(keep_last=5)
+
+
+def test_a_subclass_with_fields_of_its_own_is_still_made_and_checked():
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class TeamConfig(CheckpointConfig):
+        team: str = "x"
+
+    config = TeamConfig(team="vision", keep_last=3)
+    assert (config.team, config.keep_last) == ("vision", 3)
+    with pytest.raises(ConfigError, match="'keep_lsat'.*did you mean 'keep_last'"):
+        TeamConfig(team="vision", keep_lsat=3)
+
+
 def test_bad_file(tmp_path, monkeypatch):
     f = tmp_path / "ft.yaml"
     f.write_text("keep_lst: 3\n")

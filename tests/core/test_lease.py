@@ -991,3 +991,19 @@ def test_a_lease_of_an_earlier_version_with_this_process_s_pid_is_never_taken_fo
                    "heartbeat": time.time()}, f)
     with pytest.raises(LeaseError, match=rf"another job is writing checkpoints .* pid {os.getpid()} \(attempt 0.1-owner"):
         CheckpointManager(url)
+
+
+def test_a_lease_that_names_its_process_space_pids_is_judged_by_it(tmp_path):
+    """Development builds before 0.2 wrote the process space as ``pids``: read as an earlier version's lease (the host
+    name alone), a live owner in another PID namespace whose pid is free here was "a process of this host that is
+    gone", taken over at once with no wait: two jobs writing one directory."""
+    import socket
+
+    url = str(tmp_path / "ckpt")
+    os.makedirs(url)
+    free_pid = next(pid for pid in range(4242, 10**6) if not os.path.exists(f"/proc/{pid}"))
+    with open(os.path.join(url, LEASE), "w") as f:
+        json.dump({"attempt": "dev-owner", "host": socket.gethostname(), "pid": free_pid, "job": None,
+                   "pids": "another-boot-id/4026531836", "heartbeat": time.time()}, f)
+    with pytest.raises(LeaseError, match=r"another job is writing checkpoints .* in another PID namespace"):
+        CheckpointManager(url)

@@ -747,6 +747,26 @@ def test_ls_shows_which_tiers_hold_each_step_and_inspect_shows_a_fast_tier_part(
     assert "fast tier: rank 0's part of a step of 1 ranks" in capsys.readouterr().out
 
 
+def test_ls_with_a_key_no_step_verifies_with_says_a_resume_stops_whatever_the_fast_tier_holds(tmp_path, capsys,
+                                                                                               monkeypatch):
+    """The fast tier's newer step took the first line's place, "a resume would stop with an error" gone, where a
+    resume with that key does stop: no step of the durable tier verifies with it."""
+    from ft_checkpoint.errors import SignatureError
+    from ft_checkpoint.tools.cli import main
+
+    url, fast = str(tmp_path / "ckpt"), str(tmp_path / "fast")
+    run(url, fast, 5, signing_key="a" * 64)  # durable step 4, fast step 5, both signed with another key
+    monkeypatch.setenv("FT_CHECKPOINT_SIGNING_KEY", "b" * 64)
+    assert main(["ls", url, "--fast", fast]) == 0
+    assert "no step verifies with the key: a resume would stop with an error" in capsys.readouterr().out.splitlines()[0]
+    ckpt = CheckpointManager(url, interval=4, fast_dirpath=fast, fast_interval=1, signing_key="b" * 64)
+    try:
+        with pytest.raises(SignatureError, match="no step .* verifies with this job's signing key"):
+            ckpt.resume(make(seed=1))
+    finally:
+        ckpt.close(clean=False)
+
+
 def test_a_resume_never_mixes_the_parts_of_two_saves_of_the_same_step():
     """Step 10 committed by save s1; after a resume from an older step, save s2 rewrote rank 0's part of step 10 on
     node a and crashed before its commit. Rank 0 must take s1's copy from node b, never s2's part."""
