@@ -33,6 +33,7 @@ from typing import Any
 from ft_checkpoint.errors import ConfigError
 from ft_checkpoint.format import layout, signing
 from ft_checkpoint.store.jsonfile import is_int, is_number
+from ft_checkpoint.store.nofollow import read_named_file
 from ft_checkpoint.store.storage import refuse_missing_slash
 from ft_checkpoint.units import parse_duration, parse_signal, short
 
@@ -598,15 +599,16 @@ def _from_file() -> dict[str, Any]:
     import yaml
 
     where = f"{ENV_CONFIG_FILE}={path!r}"
+    try:  # a FIFO or /dev/stdin there: refused, never waited on
+        data = read_named_file(path, max_bytes=MAX_CONFIG_FILE)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{where}: cannot read the file ({e}). HINT: name a YAML file") from e
+    if len(data) > MAX_CONFIG_FILE:
+        raise ConfigError(f"{where}: larger than {MAX_CONFIG_FILE} bytes, not a config file")
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read(MAX_CONFIG_FILE + 1)
-    except OSError as e:
-        raise ConfigError(f"{where}: cannot read the file ({e})") from e
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"{where}: not UTF-8 text ({e})") from None
-    if len(text) > MAX_CONFIG_FILE:
-        raise ConfigError(f"{where}: larger than {MAX_CONFIG_FILE} characters, not a config file")
     try:
         _refuse_yaml11_numbers(yaml.compose(text, Loader=yaml.SafeLoader), where)
         data = yaml.safe_load(text)

@@ -37,11 +37,11 @@ import hashlib
 import hmac
 import json
 import os
-import stat
 from typing import Any, Protocol
 
 from ft_checkpoint.errors import ConfigError, SignatureError
 from ft_checkpoint.format.layout import SIGNATURE_ALGORITHM, Manifest
+from ft_checkpoint.store.nofollow import read_named_file
 from ft_checkpoint.units import short
 
 MIN_KEY_BYTES = 32
@@ -97,15 +97,10 @@ def read_key_file(field: str, path: str) -> bytes:
         ft_checkpoint.errors.ConfigError: signing_key_file='/nonexistent/key': cannot read the key file (...
     """
     where = f"{field}={short(path)}"
-    try:  # O_NONBLOCK: a FIFO planted at the path would block an open for reading
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        data = read_named_file(path, max_bytes=MAX_KEY_BYTES + 2)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{where}: cannot read the key file ({type(e).__name__}: {e}). {_PATH_HINT}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise ConfigError(f"{where}: not a regular file. {_PATH_HINT}")
-    with os.fdopen(fd, "rb") as f:
-        data = f.read(MAX_KEY_BYTES + 3)
     key = data[:-2] if data.endswith(b"\r\n") else data[:-1] if data.endswith(b"\n") else data
     return _checked_key(where, key)
 

@@ -89,6 +89,31 @@ FileId = tuple[int, int]
 """A local file's identity: its device and inode (the same for every hard link to it)."""
 
 
+def read_named_file(path: str, *, max_bytes: int) -> bytes:
+    """At most ``max_bytes + 1`` bytes of a file the user named (a config or key file: its path may go through links
+    of theirs), opened without waiting: anything but a regular file there (a FIFO, ``/dev/stdin``, a directory) is an
+    OSError, never a read that blocks forever.
+
+    Example:
+        >>> import os, tempfile
+        >>> fifo = os.path.join(tempfile.mkdtemp(), "ft.yaml")
+        >>> os.mkfifo(fifo)
+        >>> try:
+        ...     read_named_file(fifo, max_bytes=100)
+        ... except OSError as e:
+        ...     print(e)
+        not a regular file (a FIFO)
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError(f"not a regular file ({next((k for is_kind, k in _KINDS if is_kind(mode)), 'a special file')})")
+        return _read_at_most(fd, max_bytes + 1)
+    finally:
+        os.close(fd)
+
+
 def read_regular_file_unless(root: str, rel: str, known: Container[FileId], *, max_bytes: int,
                              url: str) -> tuple[FileId, bytes | None]:
     """``(identity, bytes)`` of ``root/rel``, checked and read as :func:`read_regular_file` does, except that a
