@@ -418,13 +418,17 @@ def plan_gc(storage: Storage, *, keep_last: int, keep_every_n_steps: int | None 
         >>> plan_gc(s, keep_last=1).delete   # nothing has committed: nothing is deleted
         []
     """
-    reader = layout.ManifestReader(storage)
-    status = statuses(storage, signer=signer, reader=reader)
-    committed = sorted((s for s, v in status.items() if v == layout.COMMITTED), reverse=True)
-    if signer is None:
-        _refuse_signed_without_key(storage, reader, committed)
+    for _ in range(3):  # every step listed was deleted as it was checked (a running job's retention): list again
+        reader = layout.ManifestReader(storage)
+        status = statuses(storage, signer=signer, reader=reader)
+        committed = sorted((s for s, v in status.items() if v == layout.COMMITTED), reverse=True)
+        if signer is None:
+            _refuse_signed_without_key(storage, reader, committed)
+        gone: list[int] = []
+        protected = newest_verified(storage, committed, on_bytes, signer=signer, gone=gone)
+        if protected is not None or not gone:
+            break
     doomed = plan_deletions(counted(status), keep_last=keep_last, keep_every_n_steps=keep_every_n_steps)
-    protected = newest_verified(storage, committed, on_bytes, signer=signer)
     delete = [s for s in doomed if s != protected]
     return GcPlan(url=storage.url, delete=delete, keep=sorted(set(status) - set(delete)), protected=protected,
                   unverified=sorted(s for s, v in status.items() if v == layout.REFUSED))
@@ -443,12 +447,15 @@ def _refuse_signed_without_key(storage: Storage, reader: layout.ManifestReader, 
 
 
 def newest_verified(storage: Storage, candidates: Iterable[int], on_bytes: OnBytes | None = None, *,
-                    signer: Signer | None = None) -> int | None:
+                    signer: Signer | None = None, gone: list[int] | None = None) -> int | None:
     """The first of ``candidates`` (newest first) whose manifest, sizes and checksums (and signature, with a
-    ``signer``) all check out."""
+    ``signer``) all check out; ``gone`` collects the candidates deleted as they were checked."""
     for step in candidates:
-        if check_step(storage, step, on_bytes=on_bytes, signer=signer, listed=True).ok:
+        check = check_step(storage, step, on_bytes=on_bytes, signer=signer, listed=True)
+        if check.ok:
             return step
+        if check.gone and gone is not None:
+            gone.append(step)
     return None
 
 

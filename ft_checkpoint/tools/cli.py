@@ -303,9 +303,22 @@ def utc(t: float | None) -> str:
 def training_config(args: argparse.Namespace) -> CheckpointConfig:
     """The training's configuration (``FT_CHECKPOINT_*`` and its config file), read once per command."""
     from ft_checkpoint.config import CheckpointConfig
+    from ft_checkpoint.errors import ConfigError
 
     if getattr(args, "training_config", None) is None:
-        args.training_config = CheckpointConfig.from_env()
+        try:
+            try:
+                args.training_config = CheckpointConfig.from_env()
+            except ConfigError as e:
+                if not (getattr(args, "dir", None) and str(e).startswith("dirpath=")):
+                    raise
+                # DIR given: the training's dirpath (FT_CHECKPOINT_DIRPATH, the file's) is not used; DIR is checked
+                # by open_storage
+                args.training_config = CheckpointConfig.from_env(dirpath=os.sep)
+        except ConfigError as e:
+            raise ConfigError(f"in the training's configuration (FT_CHECKPOINT_* environment variables, the file "
+                              f"FT_CHECKPOINT_CONFIG names), which 'ft-checkpoint {args.command}' reads too: {e}") \
+                from None
     config: CheckpointConfig = args.training_config
     return config
 
@@ -544,6 +557,8 @@ def _deepspeed_lines(metadata: Any) -> list[str]:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
+    import ft_checkpoint.state  # noqa: F401 - torch, for the rank files: imported before the listing (as verify), else
+    # a running job's retention deletes every step listed while torch is imported, and none is protected
     from ft_checkpoint.tools.catalog import apply_gc, list_checkpoints, plan_gc
 
     storage = open_storage(args)

@@ -163,3 +163,26 @@ def test_ls_fast_names_a_path_that_is_no_fast_tier_folder(tmp_path, fast, expect
     (tmp_path / "notes.txt").write_text("x")
     proc = cli("ls", run, "--fast", tmp_path / fast)
     assert proc.returncode == 2 and f"{expected}. HINT: pass the job's fast_dirpath" in proc.stderr, proc.stderr
+
+
+def test_a_config_file_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
+    """``FT_CHECKPOINT_CONFIG`` naming a FIFO (or ``/dev/stdin``) hung every command forever in ``open``."""
+    fifo = tmp_path / "ft.yaml"
+    os.mkfifo(fifo)
+    proc = cli("ls", tmp_path, env={"FT_CHECKPOINT_CONFIG": str(fifo)}, timeout=60)
+    assert_one_line_error(proc, "fifo")
+    assert "FT_CHECKPOINT_CONFIG" in proc.stderr and "not a regular file" in proc.stderr, proc.stderr
+
+
+def test_dir_wins_over_a_bad_training_dirpath_and_a_bad_setting_names_where_it_came_from(tmp_path):
+    """With DIR given, a typo in ``FT_CHECKPOINT_DIRPATH`` (which the command does not use) stopped it; a bad value of
+    a setting the user never passed to the command (``interval='abc'``) said nothing of where it came from."""
+    proc = cli("ls", tmp_path, env={"FT_CHECKPOINT_DIRPATH": "gs:/bucket"})
+    assert proc.returncode == 0, proc.stderr
+    proc = cli("ls", env={"FT_CHECKPOINT_DIRPATH": "gs:/bucket"})
+    assert_one_line_error(proc, "dirpath")
+    assert "'gs://bucket' missing a slash" in proc.stderr, proc.stderr
+    proc = cli("ls", tmp_path, env={"FT_CHECKPOINT_INTERVAL": "abc"})
+    assert_one_line_error(proc, "interval")
+    assert "in the training's configuration (FT_CHECKPOINT_* environment variables" in proc.stderr, proc.stderr
+    assert "interval='abc' is invalid" in proc.stderr, proc.stderr

@@ -418,3 +418,5 @@ def test_verify_and_gc_on_a_directory_a_running_job_saves_to(tmp_path):
         job.wait()
     assert all(r.returncode == 0 for r in runs), [r.stdout + r.stderr for r in runs if r.returncode != 0]
     assert all("intact" in r.stdout for r in runs[::2]), [r.stdout for r in runs[::2]]
+    # gc imported torch after listing: by then the job had deleted every step listed, and gc said "no step verifies"
+    assert all("never deletes step" in r.stdout for r in runs[1::2]), [r.stdout for r in runs[1::2]]
