@@ -370,7 +370,14 @@ def table(header: list[str], rows: list[list[str]], align: str) -> list[str]:
 def emit(args: argparse.Namespace, data: Any, lines: list[str]) -> None:
     """Print ``data`` as JSON with ``--json``, else the human ``lines`` (control characters escaped: names and
     versions come from files anyone who can write the directory may have forged)."""
-    print(json.dumps(data) if args.json else "\n".join(printable(line) for line in lines))
+    try:
+        print(json.dumps(data) if args.json else "\n".join(printable(line) for line in lines), flush=True)
+    except BrokenPipeError:
+        raise
+    except OSError as e:  # stdout on a full disk, say: not "a file in the directory may be damaged"
+        done = " (gc: its deletions are done; 'ft-checkpoint ls' shows what is left)" if args.command == "gc" else ""
+        raise UsageError(f"cannot write the output to stdout ({type(e).__name__}: {e}); the command itself ran to its "
+                         f"end{done}. HINT: check where the output goes (a full disk?)") from None
 
 
 def cmd_ls(args: argparse.Namespace) -> int:

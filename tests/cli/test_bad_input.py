@@ -186,3 +186,25 @@ def test_dir_wins_over_a_bad_training_dirpath_and_a_bad_setting_names_where_it_c
     assert_one_line_error(proc, "interval")
     assert "in the training's configuration (FT_CHECKPOINT_* environment variables" in proc.stderr, proc.stderr
     assert "interval='abc' is invalid" in proc.stderr, proc.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_gc_whose_output_cannot_be_written_says_its_deletions_are_done(tmp_path):
+    """``gc DIR --keep 1 > /dev/full`` deleted the steps, then said "unexpected OSError ... a file in the directory may
+    be damaged": the user read that gc failed (nothing deleted) and blamed the checkpoint."""
+    import subprocess
+    import sys
+
+    from tests.cli.conftest import ROOT
+
+    run = tmp_path / "run"
+    with CheckpointManager(str(run), interval=1, keep_last=5, announce=False) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, make(), block=True)
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "ft_checkpoint.tools.cli", "gc", str(run), "--keep", "1"],
+                              stdout=full, stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=120)
+    assert_one_line_error(proc, "gc > /dev/full")
+    assert "cannot write the output to stdout" in proc.stderr and "deletions are done" in proc.stderr, proc.stderr
+    assert "may be damaged" not in proc.stderr, proc.stderr
+    assert "step_000000000001" not in os.listdir(run) and "step_000000000002" in os.listdir(run)
