@@ -375,7 +375,8 @@ def emit(args: argparse.Namespace, data: Any, lines: list[str]) -> None:
     except BrokenPipeError:
         raise
     except OSError as e:  # stdout on a full disk, say: not "a file in the directory may be damaged"
-        done = " (gc: its deletions are done; 'ft-checkpoint ls' shows what is left)" if args.command == "gc" else ""
+        deleted = args.command == "gc" and not args.dry_run
+        done = " (gc: its deletions are done; 'ft-checkpoint ls' shows what is left)" if deleted else ""
         raise UsageError(f"cannot write the output to stdout ({type(e).__name__}: {e}); the command itself ran to its "
                          f"end{done}. HINT: check where the output goes (a full disk?)") from None
 
@@ -564,8 +565,9 @@ def _deepspeed_lines(metadata: Any) -> list[str]:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    import ft_checkpoint.state  # noqa: F401 - torch, for the rank files: imported before the listing (as verify), else
-    # a running job's retention deletes every step listed while torch is imported, and none is protected
+    # torch (for the rank files) imported before the listing, as verify does: else a running job's retention deletes
+    # every step listed while torch is imported, and none is protected
+    import ft_checkpoint.state  # noqa: F401
     from ft_checkpoint.tools.catalog import apply_gc, list_checkpoints, plan_gc
 
     storage = open_storage(args)
