@@ -436,7 +436,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     import ft_checkpoint.state  # noqa: F401 - torch, for the rank files: imported before the listing and the progress
     from ft_checkpoint.format.layout import REFUSED
-    from ft_checkpoint.tools.catalog import check_step, list_checkpoints, select_steps
+    from ft_checkpoint.tools.catalog import PARTIAL, check_step, list_checkpoints, select_steps
 
     storage = open_storage(args)
     signer = open_signer(args, storage)
@@ -449,6 +449,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return 1
     sizes = {i.step: i.bytes for i in listing.steps}
     listed = {i.step for i in listing.steps if i.manifest}
+    status = {i.step: i.status for i in listing.steps}
     with Progress("verifying", sum(sizes.get(s, 0) for s in steps)) as progress:
         checks = [check_step(storage, s, on_bytes=progress.update, signer=signer, listed=s in listed) for s in steps]
         for _ in range(3):  # the newest step, deleted as it was checked by a running job's retention: its successor
@@ -462,10 +463,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     ok = bool(checks) and all(c.ok for c in checks)
     lines = [f"step {c.step}: deleted while it was checked (a running job's retention, or gc)" for c in gone]
     for c in checks:
+        partial = status.get(c.step) == PARTIAL and not c.ok  # as ls says: no manifest.json
         lines.append(f"step {c.step}: " + (f"ok ({c.files} files, {human_bytes(c.bytes)}: {_checked(c.signature)})"
                                            if c.ok else "UNVERIFIED" if c.signature == REFUSED else
                                            "CORRUPT outside its tensors (a resume loads it)" if c.resume_loads else
-                                           "CORRUPT"))
+                                           "PARTIAL: never committed (an interrupted save, or one being written)"
+                                           if partial else "CORRUPT"))
         lines += [f"  {p}" for p in c.problems]
     if not checks:
         emit(args, {"url": storage.url, "ok": False, "steps": [c.to_dict() for c in gone]},
@@ -476,7 +479,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     loaded = sorted(set(bad) - set(skipped))
     lines.append(f"intact: {plural(len(checks), 'step')} checked" if ok else
                  f"NOT INTACT: {len(bad)} of {plural(len(checks), 'checked step')} ({', '.join(map(str, bad))}); "
-                 + "; ".join((["a resume skips a corrupt or unverified step and falls back to the previous one"]
+                 + "; ".join((["a resume skips a corrupt, partial or unverified step and takes the one before"]
                               if skipped else [])
                              + ([f"a resume still loads {'step' if len(loaded) == 1 else 'steps'} "
                                  f"{', '.join(map(str, loaded))} (every tensor's bytes match their checksums; bytes "

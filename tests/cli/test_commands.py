@@ -63,6 +63,18 @@ def test_ls_does_not_promise_a_step_that_a_resume_would_skip(copy):
     assert verify.returncode == 1 and f"step {STEPS}: CORRUPT" in verify.stdout
 
 
+def test_verify_calls_a_step_without_a_manifest_partial_not_corrupt(copy):
+    """An interrupted save (or one being written) leaves a step without ``manifest.json``: ``ls`` says "partial",
+    ``verify --step`` said CORRUPT, as of a damaged checkpoint."""
+    partial = os.path.join(copy, layout.step_dir(STEPS + 10))
+    os.makedirs(partial)
+    shutil.copy(step_file(copy, STEPS), partial)
+    verify = cli("verify", copy, "--step", STEPS + 10)
+    assert verify.returncode == 1, verify.stdout + verify.stderr
+    assert f"step {STEPS + 10}: PARTIAL: never committed (an interrupted save" in verify.stdout, verify.stdout
+    assert "CORRUPT" not in verify.stdout and "a resume skips a corrupt, partial or unverified step" in verify.stdout
+
+
 def test_ls_after_the_resumed_attempt_finished(local_run):
     listing = cli_json("ls", local_run.url)
     assert [(s["step"], s["status"]) for s in listing["steps"]] == [(20, "committed"), (30, "committed"),
