@@ -463,6 +463,8 @@ class StepCheck:
     """The files (by name) whose bytes do not match the manifest's checksum of the whole file."""
     gone: bool = False
     """The step was deleted while it was checked (a running job's retention, or ``gc``): neither intact nor corrupt."""
+    unreadable: bool = False
+    """A file of the step cannot be read by this user (permission denied): not checked, neither intact nor corrupt."""
     loads: bool | None = None
     """Whether a resume loads the step despite its problems (``ft-checkpoint verify`` works it out for a step whose
     only problem is data files whose bytes outside every tensor changed); None: not worked out (a resume loads a
@@ -484,7 +486,8 @@ class StepCheck:
 
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "ok": self.ok, "resume_loads": self.resume_loads, "files": self.files,
-                "bytes": self.bytes, "signature": self.signature, "problems": list(self.problems), "gone": self.gone}
+                "bytes": self.bytes, "signature": self.signature, "problems": list(self.problems), "gone": self.gone,
+                "unreadable": self.unreadable}
 
     @property
     def resume_loads(self) -> bool:

@@ -355,7 +355,8 @@ def storage_error(where: str, e: Exception, *, tried: str = "1 attempt") -> Exce
         return StorageNotFoundError(f"{where}: not found ({e}). HINT: check the URL, and that the bucket or directory exists")
     if _denied(e):
         return StoragePermissionError(f"{where}: permission denied ({error}). HINT: check the credentials "
-                                      "(storage_options or the environment) and that the location is writable")
+                                      "(storage_options or the environment) and that this user may read the location "
+                                      "(and, to save, write it)")
     if isinstance(e, OSError) and e.errno == errno.ENOSPC:
         return StorageError(f"{where}: no space left on device. HINT: free space or point dirpath elsewhere")
     if is_transient(e):

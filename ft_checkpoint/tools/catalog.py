@@ -33,7 +33,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, StorageNotFoundError
+from ft_checkpoint.errors import CheckpointCorruptError, ConfigError, StorageNotFoundError, StoragePermissionError
 from ft_checkpoint.format import layout, tensor_metadata
 from ft_checkpoint.format.layout import OnBytes, StepCheck
 from ft_checkpoint.format.signing import Signer
@@ -219,6 +219,8 @@ def check_step(storage: Storage, step: int, *, on_bytes: OnBytes | None = None,
         if layout.MANIFEST in storage.entries(rel):
             raise
         check = StepCheck(step=step, gone=True, problems=[f"{GONE} ({e})"])
+    except StoragePermissionError as e:  # this step alone: the others are checked still
+        check = StepCheck(step=step, unreadable=True, problems=[str(e)])
     committed = listed or check.manifest is not None  # else a missing manifest is no sign that it went meanwhile
     if check.problems and not check.gone and committed and layout.MANIFEST not in storage.entries(rel):
         check = StepCheck(step=step, gone=True, problems=[f"{GONE} ({check.problems[0]})"])  # deleted, manifest first

@@ -468,7 +468,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                                            if c.ok else "UNVERIFIED" if c.signature == REFUSED else
                                            "CORRUPT outside its tensors (a resume loads it)" if c.resume_loads else
                                            "PARTIAL: never committed (an interrupted save, or one being written)"
-                                           if partial else "CORRUPT"))
+                                           if partial else "UNREADABLE by this user (not checked)" if c.unreadable
+                                           else "CORRUPT"))
         lines += [f"  {p}" for p in c.problems]
     if not checks:
         emit(args, {"url": storage.url, "ok": False, "steps": [c.to_dict() for c in gone]},

@@ -247,6 +247,21 @@ def test_a_step_this_user_cannot_read_is_ignored_not_fatal(tmp_path, unreadable)
     assert os.path.isdir(planted)
 
 
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
+def test_verify_all_reports_a_file_this_user_cannot_read_and_checks_the_other_steps(tmp_path):
+    """A rank file of mode 000 in step 1: ``verify --all`` stopped at it (exit 2, no step reported) with a HINT
+    to check that the location is writable."""
+    url = str(tmp_path / "ckpt")
+    two_saved_steps(url)
+    os.chmod(os.path.join(url, layout.step_dir(1), layout.rank_file(0)), 0)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([*UNPRIVILEGED, sys.executable, "-m", "ft_checkpoint.tools.cli", "verify", url, "--all"],
+                          capture_output=True, text=True, cwd=repo, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "step 1: UNREADABLE by this user (not checked)" in done.stdout and "step 2: ok" in done.stdout, done.stdout
+    assert "permission denied" in done.stdout and "may read the location" in done.stdout, done.stdout
+
+
 def test_a_control_file_is_never_read_through_a_step_directory_swapped_for_a_link(tmp_path):
     """A manifest (or a journal entry) was opened by its whole path, ``O_NOFOLLOW`` on its last name only: a step
     directory swapped for a link after the listing had its manifest read from wherever the link led (here another
