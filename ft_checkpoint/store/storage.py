@@ -262,6 +262,10 @@ def _denied(exc: BaseException) -> bool:
                or (type(e) is OSError and str(e).startswith("Forbidden")) for e in _chain(exc))
 
 
+_OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "oci", "hdfs", "webhdfs"})
+"""The protocols a URL missing its colon (``s3//bucket/run``) is taken for."""
+
+
 def missing_slash(url: str) -> str | None:
     """What ``url`` was meant to be if it is a URL of a known fsspec protocol missing a slash (``gs:/bucket/run``,
     ``s3:bucket/run``): fsspec reads those as local paths (``./gs:/bucket/run``); else None.
@@ -271,9 +275,14 @@ def missing_slash(url: str) -> str | None:
         ('gs://bucket/run', None, None)
         >>> missing_slash("simplecache::gs://bucket/run"), missing_slash("simplecache::gs:/bucket/run")
         (None, None)
+        >>> missing_slash("s3//bucket/run"), missing_slash("./s3//bucket/run")   # the colon left out
+        ('s3://bucket/run', None)
     """
     scheme, colon, rest = url.partition(":")
-    if not colon or rest.startswith(("//", ":")) or "/" in scheme or scheme.lower() in ("file", "local"):  # "::": chained
+    if not colon:  # "s3//bucket": only the object stores' names (a local "data//run" is a folder named data)
+        scheme, slashes, rest = url.partition("//")
+        return f"{scheme}://{rest}" if slashes and scheme.lower() in _OBJECT_STORES else None
+    if rest.startswith(("//", ":")) or "/" in scheme or scheme.lower() in ("file", "local"):  # "::": chained
         return None
     return f"{scheme}://{rest.lstrip('/')}" if scheme.lower() in fsspec.available_protocols() else None
 
@@ -281,9 +290,10 @@ def missing_slash(url: str) -> str | None:
 def refuse_missing_slash(field: str, url: str) -> None:
     """ConfigError if ``url`` is a URL missing a slash (see :func:`missing_slash`), saying what was meant."""
     if (meant := missing_slash(url)) is not None:
-        raise ConfigError(f"{field}={url!r} looks like {meant!r} missing a slash: as written it is a local folder "
-                          f"named {url.partition(':')[0] + ':'!r} on this node's own disk. HINT: write {meant!r} (or "
-                          f"'./{url}' for a local folder of that name)")
+        slip = "a slash" if ":" in url else "its colon"
+        raise ConfigError(f"{field}={url!r} looks like {meant!r} missing {slip}: as written it is a local folder "
+                          f"named {url.partition(':' if ':' in url else '/')[0] + (':' if ':' in url else '')!r} on this "
+                          f"node's own disk. HINT: write {meant!r} (or './{url}' for a local folder of that name)")
 
 
 def make_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:

@@ -172,7 +172,18 @@ def test_a_url_missing_a_slash_is_refused_not_made_a_local_folder(url, tmp_path,
             given()
 
 
-@pytest.mark.parametrize("url", ["file:/tmp/run", "./gs:/bucket/run", "runs/gs:/x", "C:/x"])
+@pytest.mark.parametrize("url", ["s3//bucket/run", "gs//bucket/run"])
+def test_a_url_missing_its_colon_is_refused_not_made_a_local_folder(url, tmp_path, monkeypatch):
+    """``s3//bucket/run`` was the local folder ``./s3/bucket/run``, with no word: the job saved to the node's disk."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=f"dirpath='{url}' looks like .* missing its colon") as e:
+        CheckpointManager(url, interval=1)
+    assert f"HINT: write '{url.replace('//', '://', 1)}'" in str(e.value)
+    assert os.listdir(tmp_path) == [], "nothing is made on the local disk"
+
+
+@pytest.mark.parametrize("url", ["file:/tmp/run", "./gs:/bucket/run", "runs/gs:/x", "C:/x", "./s3//x", "data//run",
+                                 "runs//s3"])
 def test_paths_that_only_look_like_a_url_missing_a_slash_are_kept(url):
     assert not missing_slash(url)
 
