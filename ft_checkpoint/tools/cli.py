@@ -337,6 +337,9 @@ def open_storage(args: argparse.Namespace) -> Storage:
     if not url:
         raise ConfigError("no checkpoint directory given: pass DIR (a local path or a URL such as "
                           "gs://bucket/run) or set FT_CHECKPOINT_DIRPATH")
+    if url.lower().startswith("memory:"):
+        raise UsageError(f"{url} is in the memory of the process that wrote it: no other process, this command neither, "
+                         "can see it. HINT: give the training a local path or an object store's URL")
     storage = Storage(url, config.storage_options, retries=config.retries)
     require_directory(storage)
     return storage

@@ -208,3 +208,11 @@ def test_gc_whose_output_cannot_be_written_says_its_deletions_are_done(tmp_path)
     assert "cannot write the output to stdout" in proc.stderr and "deletions are done" in proc.stderr, proc.stderr
     assert "may be damaged" not in proc.stderr, proc.stderr
     assert "step_000000000001" not in os.listdir(run) and "step_000000000002" in os.listdir(run)
+
+
+@pytest.mark.parametrize("url", ["memory://", "memory://run"])
+def test_a_memory_url_is_refused_it_is_no_other_process_s(url):
+    """``ls memory://`` said "0 step directories": a training's ``memory://`` lives in that process alone."""
+    proc = cli("ls", url)
+    assert_one_line_error(proc, "memory")
+    assert "in the memory of the process that wrote it" in proc.stderr, proc.stderr
