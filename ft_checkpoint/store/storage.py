@@ -290,10 +290,10 @@ def missing_slash(url: str) -> str | None:
 def refuse_missing_slash(field: str, url: str) -> None:
     """ConfigError if ``url`` is a URL missing a slash (see :func:`missing_slash`), saying what was meant."""
     if (meant := missing_slash(url)) is not None:
-        slip = "a slash" if ":" in url else "its colon"
+        slip, folder = ("a slash", url.partition(":")[0] + ":") if ":" in url else ("its colon", url.partition("/")[0])
         raise ConfigError(f"{field}={url!r} looks like {meant!r} missing {slip}: as written it is a local folder "
-                          f"named {url.partition(':' if ':' in url else '/')[0] + (':' if ':' in url else '')!r} on this "
-                          f"node's own disk. HINT: write {meant!r} (or './{url}' for a local folder of that name)")
+                          f"named {folder!r} on this node's own disk. HINT: write {meant!r} (or './{url}' for a local "
+                          "folder of that name)")
 
 
 def make_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:

@@ -47,6 +47,7 @@ from ft_checkpoint.units import DURATION_EXAMPLES, human_bytes, human_seconds, p
 
 if TYPE_CHECKING:
     from ft_checkpoint.config import CheckpointConfig
+    from ft_checkpoint.format.layout import StepCheck
     from ft_checkpoint.format.signing import Signer
     from ft_checkpoint.store.storage import Storage
 
@@ -302,25 +303,30 @@ def utc(t: float | None) -> str:
 
 def training_config(args: argparse.Namespace) -> CheckpointConfig:
     """The training's configuration (``FT_CHECKPOINT_*`` and its config file), read once per command."""
-    from ft_checkpoint.config import CheckpointConfig
     from ft_checkpoint.errors import ConfigError
 
     if getattr(args, "training_config", None) is None:
         try:
-            try:
-                args.training_config = CheckpointConfig.from_env()
-            except ConfigError as e:
-                if not (getattr(args, "dir", None) and str(e).startswith("dirpath=")):
-                    raise
-                # DIR given: the training's dirpath (FT_CHECKPOINT_DIRPATH, the file's) is not used; DIR is checked
-                # by open_storage
-                args.training_config = CheckpointConfig.from_env(dirpath=os.sep)
+            args.training_config = _read_training_config(args)
         except ConfigError as e:
             raise ConfigError(f"in the training's configuration (FT_CHECKPOINT_* environment variables, the file "
                               f"FT_CHECKPOINT_CONFIG names), which 'ft-checkpoint {args.command}' reads too: {e}") \
                 from None
     config: CheckpointConfig = args.training_config
     return config
+
+
+def _read_training_config(args: argparse.Namespace) -> CheckpointConfig:
+    """``CheckpointConfig.from_env()``; with DIR given, a bad training ``dirpath`` (not used then) is let pass."""
+    from ft_checkpoint.config import CheckpointConfig
+    from ft_checkpoint.errors import ConfigError
+
+    try:
+        return CheckpointConfig.from_env()
+    except ConfigError as e:
+        if not (getattr(args, "dir", None) and str(e).startswith("dirpath=")):
+            raise
+        return CheckpointConfig.from_env(dirpath=os.sep)  # DIR is checked by open_storage
 
 
 def open_storage(args: argparse.Namespace) -> Storage:
@@ -438,7 +444,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     import ft_checkpoint.state  # noqa: F401 - torch, for the rank files: imported before the listing and the progress
-    from ft_checkpoint.format.layout import REFUSED
     from ft_checkpoint.tools.catalog import PARTIAL, check_step, list_checkpoints, select_steps
 
     storage = open_storage(args)
@@ -466,13 +471,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     ok = bool(checks) and all(c.ok for c in checks)
     lines = [f"step {c.step}: deleted while it was checked (a running job's retention, or gc)" for c in gone]
     for c in checks:
-        partial = status.get(c.step) == PARTIAL and not c.ok  # as ls says: no manifest.json
-        lines.append(f"step {c.step}: " + (f"ok ({c.files} files, {human_bytes(c.bytes)}: {_checked(c.signature)})"
-                                           if c.ok else "UNVERIFIED" if c.signature == REFUSED else
-                                           "CORRUPT outside its tensors (a resume loads it)" if c.resume_loads else
-                                           "PARTIAL: never committed (an interrupted save, or one being written)"
-                                           if partial else "UNREADABLE by this user (not checked)" if c.unreadable
-                                           else "CORRUPT"))
+        lines.append(f"step {c.step}: {_verdict(c, partial=status.get(c.step) == PARTIAL)}")
         lines += [f"  {p}" for p in c.problems]
     if not checks:
         emit(args, {"url": storage.url, "ok": False, "steps": [c.to_dict() for c in gone]},
@@ -491,6 +490,21 @@ def cmd_verify(args: argparse.Namespace) -> int:
                  + ("" if args.all else ". HINT: 'ft-checkpoint verify --all' checks the others"))
     emit(args, {"url": storage.url, "ok": ok, "steps": [c.to_dict() for c in gone + checks]}, lines)
     return 0 if ok else 1
+
+
+def _verdict(c: StepCheck, *, partial: bool) -> str:
+    """What ``verify`` says of a step checked: ``partial``, the listing found no ``manifest.json`` (as ``ls`` says)."""
+    from ft_checkpoint.format.layout import REFUSED
+
+    if c.ok:
+        return f"ok ({c.files} files, {human_bytes(c.bytes)}: {_checked(c.signature)})"
+    if c.signature == REFUSED:
+        return "UNVERIFIED"
+    if c.resume_loads:
+        return "CORRUPT outside its tensors (a resume loads it)"
+    if partial:
+        return "PARTIAL: never committed (an interrupted save, or one being written)"
+    return "UNREADABLE by this user (not checked)" if c.unreadable else "CORRUPT"
 
 
 def _checked(signature: str | None) -> str:
