@@ -461,18 +461,36 @@ def newest_verified(storage: Storage, candidates: Iterable[int], on_bytes: OnByt
     return None
 
 
-def apply_gc(storage: Storage, plan: GcPlan, *,
-             on_deleted: Callable[[int], None] | None = None) -> dict[int, list[str]]:
+def apply_gc(storage: Storage, plan: GcPlan, *, on_deleted: Callable[[int], None] | None = None,
+             gone: list[int] | None = None) -> dict[int, list[str]]:
     """Delete the steps of ``plan``, each manifest first (a crash halfway leaves garbage, not a bad commit), calling
     ``on_deleted(1)`` after each; returns the steps whose checkpoint is deleted, each with the URLs of what is left
     in its directory (subdirectories: never a checkpoint's, gc deletes only files; usually none). A step directory
     swapped for a symbolic link since the plan is left alone, and so is everything it points to (see
-    ``layout.delete_step``)."""
+    ``layout.delete_step``). ``gone`` collects the steps whose directory was already gone when gc came to them
+    (deleted since the plan by another gc, or a running job's retention): deleting them is not this gc's doing.
+
+    Example:
+        >>> s = Storage("memory://doc/apply-gc")
+        >>> for step in (1, 2):
+        ...     s.write_bytes(f"{layout.step_dir(step)}/a.bin", b"x")
+        >>> plan = GcPlan(url=s.url, delete=[1, 2], keep=[], protected=None)
+        >>> s.delete_directory(layout.step_dir(1))   # another gc, after this one's plan
+        True
+        >>> gone = []
+        >>> apply_gc(s, plan, gone=gone), gone
+        ({2: []}, [1])
+    """
+    listed = storage.entries("")  # one listing for all steps, not one each: a delete of a missing step says True
     deleted = {}
     for step in plan.delete:
-        left = [] if layout.delete_step(storage, step) else _left_of_deleted(storage, step)
-        if left is not None:
-            deleted[step] = left
+        if layout.step_dir(step) not in listed:
+            if gone is not None:
+                gone.append(step)
+        else:
+            left = [] if layout.delete_step(storage, step) else _left_of_deleted(storage, step)
+            if left is not None:
+                deleted[step] = left
         if on_deleted is not None:
             on_deleted(1)
     return deleted

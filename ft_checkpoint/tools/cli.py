@@ -599,18 +599,20 @@ def cmd_gc(args: argparse.Namespace) -> int:
     with Progress("gc: verifying the newest step", newest.bytes if newest else 0) as progress:
         plan = plan_gc(storage, keep_last=args.keep, keep_every_n_steps=keep_every, on_bytes=progress.update,
                        signer=signer)
-    deleted, left = plan.delete, []
+    deleted, left, gone = plan.delete, [], list[int]()  # gone: steps another gc or the job's retention deleted first
     if not args.dry_run:
         with Progress("gc: deleting", len(plan.delete), unit="step") as progress:
-            done = apply_gc(storage, plan, on_deleted=progress.update)  # a step swapped for a link is left alone
+            done = apply_gc(storage, plan, on_deleted=progress.update, gone=gone)  # a link swapped in: left alone
         deleted, left = list(done), [url for urls in done.values() for url in urls]
-    kept = sorted(set(plan.keep) | (set(plan.delete) - set(deleted)))
+    kept = sorted(set(plan.keep) | (set(plan.delete) - set(deleted) - set(gone)))
     verb = "would delete" if args.dry_run else "deleted"
     milestones = f" and every multiple of {keep_every}{source}" if keep_every else ""
     protected = f"; never deletes step {plan.protected}, the newest that verifies" if plan.protected is not None \
         else "; no step verifies"
     lines = [f"{plan.url}: keep the newest {plural(args.keep, 'committed step')}{milestones}{protected}",
              f"{verb}: {', '.join(f'step {s}' for s in deleted) or 'nothing'}",
+             *([f"already gone (another gc or the job's retention deleted them): {', '.join(f'step {s}' for s in gone)}"]
+               if gone else []),
              f"{'keeps' if args.dry_run else 'kept'}: {', '.join(f'step {s}' for s in kept) or 'nothing'}"]
     if left:
         lines.append(f"left in place in deleted steps' directories (folders ft-checkpoint never writes; gc deletes "
@@ -618,7 +620,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if plan.unverified:
         lines.append(f"not counted, left as they are (their signature does not verify; a resume with the key sets "
                      f"them aside): {', '.join(f'step {s}' for s in plan.unverified)}")
-    emit(args, {**plan.to_dict(), "delete": deleted, "keep": kept, "left_in_place": left, "dry_run": args.dry_run}, lines)
+    emit(args, {**plan.to_dict(), "delete": deleted, "keep": kept, "already_gone": gone, "left_in_place": left,
+               "dry_run": args.dry_run}, lines)
     return 0
 
 

@@ -432,3 +432,26 @@ def test_verify_and_gc_on_a_directory_a_running_job_saves_to(tmp_path):
     assert all("intact" in r.stdout for r in runs[::2]), [r.stdout for r in runs[::2]]
     # gc imported torch after listing: by then the job had deleted every step listed, and gc said "no step verifies"
     assert all("never deletes step" in r.stdout for r in runs[1::2]), [r.stdout for r in runs[1::2]]
+
+
+def test_gc_never_claims_a_step_that_was_already_gone_when_it_came_to_it(copy, monkeypatch):
+    """Another gc (or the running job's retention) deleted step 20 between this gc's plan and its deletions: before,
+    ``delete_step`` said True for a directory that no longer existed, and both gcs printed "deleted: step 20"."""
+    from ft_checkpoint.tools import catalog
+
+    planned = catalog.plan_gc
+
+    def plan_then_lose_step_20(storage, **kwargs):
+        plan = planned(storage, **kwargs)
+        shutil.rmtree(storage.path(layout.step_dir(20)))  # as another process would, after the plan
+        return plan
+
+    monkeypatch.setattr(catalog, "plan_gc", plan_then_lose_step_20)
+    twin = shutil.copytree(copy, copy + "-twin")
+    done = cli_json("gc", copy, "--keep", 1)
+    assert done["delete"] == [30] and done["already_gone"] == [20] and done["keep"] == [40], done
+    text = cli("gc", twin, "--keep", 1).stdout
+    assert "deleted: step 30\n" in text and "step 20, step 30" not in text, text
+    assert "already gone (another gc or the job's retention deleted them): step 20\n" in text, text
+    assert "kept: step 40\n" in text, text
+
