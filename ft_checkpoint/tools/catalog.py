@@ -408,10 +408,12 @@ class GcPlan:
 
 
 def plan_gc(storage: Storage, *, keep_last: int, keep_every_n_steps: int | None = None,
-            on_bytes: OnBytes | None = None, signer: Signer | None = None) -> GcPlan:
+            on_bytes: OnBytes | None = None, signer: Signer | None = None,
+            on_step: Callable[[int], None] | None = None) -> GcPlan:
     """The core's retention rules (with a ``signer``, only steps whose signature verifies count; the others are
     neither kept nor deleted), plus: the newest step that verifies (checksums too; with a ``signer``, its
-    signature too, so that a forged newer step never takes its place) is always kept.
+    signature too, so that a forged newer step never takes its place) is always kept. ``on_step(step)``: called
+    before each step is verified (the newest first, older ones while none verifies), e.g. to grow a progress total.
 
     Example:
         >>> from ft_checkpoint.store.storage import Storage
@@ -427,7 +429,7 @@ def plan_gc(storage: Storage, *, keep_last: int, keep_every_n_steps: int | None 
         if signer is None:
             _refuse_signed_without_key(storage, reader, committed)
         gone: list[int] = []
-        protected = newest_verified(storage, committed, on_bytes, signer=signer, gone=gone)
+        protected = newest_verified(storage, committed, on_bytes, signer=signer, gone=gone, on_step=on_step)
         if protected is not None or not gone:
             break
     doomed = plan_deletions(counted(status), keep_last=keep_last, keep_every_n_steps=keep_every_n_steps)
@@ -449,10 +451,14 @@ def _refuse_signed_without_key(storage: Storage, reader: layout.ManifestReader, 
 
 
 def newest_verified(storage: Storage, candidates: Iterable[int], on_bytes: OnBytes | None = None, *,
-                    signer: Signer | None = None, gone: list[int] | None = None) -> int | None:
+                    signer: Signer | None = None, gone: list[int] | None = None,
+                    on_step: Callable[[int], None] | None = None) -> int | None:
     """The first of ``candidates`` (newest first) whose manifest, sizes and checksums (and signature, with a
-    ``signer``) all check out; ``gone`` collects the candidates deleted as they were checked."""
+    ``signer``) all check out; ``gone`` collects the candidates deleted as they were checked; ``on_step(step)`` is
+    called before each candidate is checked."""
     for step in candidates:
+        if on_step is not None:
+            on_step(step)
         check = check_step(storage, step, on_bytes=on_bytes, signer=signer, listed=True)
         if check.ok:
             return step

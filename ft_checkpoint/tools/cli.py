@@ -38,6 +38,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ft_checkpoint._version import __version__
@@ -594,11 +595,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
     storage = open_storage(args)
     signer = open_signer(args, storage)
     keep_every, source = milestones_to_keep(args)
-    newest = max((i for i in list_checkpoints(storage, signer=signer).steps if i.manifest), key=lambda i: i.step,
-                 default=None)
-    with Progress("gc: verifying the newest step", newest.bytes if newest else 0) as progress:
+    sizes = {i.step: i.bytes for i in list_checkpoints(storage, signer=signer).steps}
+    with Progress("gc: verifying the newest step", 0) as progress:  # its total: the bytes of each step verified
         plan = plan_gc(storage, keep_last=args.keep, keep_every_n_steps=keep_every, on_bytes=progress.update,
-                       signer=signer)
+                       signer=signer, on_step=growing_total(progress, sizes))
     deleted, left, gone = plan.delete, [], list[int]()  # gone: steps another gc or the job's retention deleted first
     if not args.dry_run:
         with Progress("gc: deleting", len(plan.delete), unit="step") as progress:
@@ -623,6 +623,27 @@ def cmd_gc(args: argparse.Namespace) -> int:
     emit(args, {**plan.to_dict(), "delete": deleted, "keep": kept, "already_gone": gone, "left_in_place": left,
                "dry_run": args.dry_run}, lines)
     return 0
+
+
+def growing_total(progress: Progress, sizes: dict[int, int]) -> Callable[[int], None]:
+    """What gc calls before it verifies each step (the newest, then older ones while none verifies): the step's
+    bytes (``sizes``, from the listing) added to the total of ``progress``, so that the bytes done never run past
+    the total shown. A step the listing did not hold (saved since) makes the total unknown, not wrong.
+
+    Example:
+        >>> p = Progress("verifying", 0, terminal=False)
+        >>> on_step = growing_total(p, {30: 6, 20: 5})
+        >>> on_step(30); p.total, on_step(20), p.total, on_step(40), p.total
+        (6, None, 11, None, 0)
+    """
+    known = True
+
+    def on_step(step: int) -> None:
+        nonlocal known
+        known = known and step in sizes
+        progress.set_total(progress.total + sizes[step] if known else 0)
+
+    return on_step
 
 
 def milestones_to_keep(args: argparse.Namespace) -> tuple[int | None, str]:

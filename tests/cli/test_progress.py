@@ -103,6 +103,32 @@ def test_gc_shows_its_progress(run, tmp_path, long_work):
     assert sorted(os.listdir(copy)) == ["journal", "step_000000000030"]
 
 
+def test_gc_progress_never_goes_past_its_total_when_the_newest_step_is_corrupt(run, tmp_path, long_work):
+    """The newest step fails its checksums, so gc verifies the one before it too: the total was the newest step's
+    bytes alone, and the lines went on past it ("12 MB of 6.02 MB (200%)"), with a time left that meant nothing."""
+    copy = str(tmp_path / "copy")
+    shutil.copytree(run, copy)
+    data = os.path.join(copy, "step_000000000030", "__0_0.distcp")
+    with open(data, "r+b") as f:
+        f.seek(1000)
+        byte = f.read(1)
+        f.seek(1000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert main(["gc", copy, "--keep", "1"]) == 0
+    amounts = [re.match(r"gc: verifying[^:]*: ([\d.]+ [kM]?B) of ([\d.]+ [kM]?B) ", line)
+               for line in progress_lines(long_work) if line.startswith("gc: verifying")]
+    assert amounts and all(amounts), progress_lines(long_work)
+    assert all(in_bytes(m.group(1)) <= in_bytes(m.group(2)) for m in amounts), [m.group(0) for m in amounts]
+    assert amounts[-1].group(1) == amounts[-1].group(2) == "12 MB", amounts[-1].group(0)  # both steps, all of them
+    assert sorted(os.listdir(copy)) == ["journal", "step_000000000020", "step_000000000030"]
+
+
+def in_bytes(amount: str) -> float:
+    """``"6.02 MB"`` as 6_020_000 (how ``Progress`` lines show bytes)."""
+    number, unit = amount.split()
+    return float(number) * {"B": 1, "kB": 1e3, "MB": 1e6}[unit]
+
+
 def test_a_resume_shows_its_progress(run, long_work):
     """As log records (INFO, ft_checkpoint.progress) where logging shows them, as here."""
     target = state(0)
