@@ -11,6 +11,7 @@ import pytest
 
 import ft_checkpoint.testing.faults  # noqa: F401 - registers faulty:// for the tests (a user's install has none)
 from ft_checkpoint import manager
+from ft_checkpoint.format import layout
 from ft_checkpoint.testing import servers
 
 
@@ -38,6 +39,14 @@ def each_manager_as_if_in_a_new_process(monkeypatch):
     manager of this process saved to (a resume from one warns) are not kept, except where a test asks for them
     (``tests/core/test_careless_calls.py``)."""
     monkeypatch.setattr(manager, "_saved_by_this_process", _Forgotten())
+
+
+@pytest.fixture(autouse=True)
+def warnings_of_steps_that_do_not_count_as_if_in_a_new_process(monkeypatch):
+    """A process warns of at most ``layout.MAX_NOT_COUNTED_WARNINGS`` steps that do not count as committed: each test
+    has them all, as a new process would, whatever tests this worker ran before it."""
+    for name in ("_NOT_COUNTED", "_LEFT_OUT", "_UNREPORTED"):
+        monkeypatch.setattr(layout, name, set())
 
 
 @pytest.fixture

@@ -41,7 +41,7 @@ from ft_checkpoint.errors import CheckpointCorruptError, SignatureError, Storage
 from ft_checkpoint.store import checksum as crc
 from ft_checkpoint.store.jsonfile import is_int
 from ft_checkpoint.store.storage import Storage
-from ft_checkpoint.units import short
+from ft_checkpoint.units import plural, short
 
 log = logging.getLogger(__name__)
 
@@ -311,6 +311,46 @@ def _warn_once(message: str) -> None:
         log.warning("%s", message)
 
 
+MAX_NOT_COUNTED_WARNINGS = 20
+"""The most warnings of steps that do not count as committed a process gives (:meth:`ManifestReader.status`): anyone
+who can write the directory can plant thousands of garbage step directories, and each would be a line of every
+``gc`` and of the training's log. The others are logged at DEBUG, and counted in one line (:func:`report_left_out`)."""
+_NOT_COUNTED: set[str] = set()
+"""The warnings of steps that do not count that this process gave (at most :data:`MAX_NOT_COUNTED_WARNINGS`)."""
+_LEFT_OUT: set[str] = set()
+"""Those it left out (DEBUG only), each counted once by :func:`report_left_out`..."""
+_UNREPORTED: set[str] = set()
+"""... and those of them not counted yet."""
+
+
+def _warn_not_counted(message: str) -> None:
+    """:func:`_warn_once` for the first :data:`MAX_NOT_COUNTED_WARNINGS` steps that do not count; a debug line for
+    the others, which :func:`report_left_out` counts."""
+    if message in _NOT_COUNTED or len(_NOT_COUNTED) < MAX_NOT_COUNTED_WARNINGS:
+        _NOT_COUNTED.add(message)
+        _warn_once(message)
+        return
+    log.debug("%s", message)
+    if message not in _LEFT_OUT:
+        _LEFT_OUT.add(message)
+        _UNREPORTED.add(message)
+
+
+def report_left_out(storage: Storage) -> None:
+    """One warning saying how many steps that do not count (met in the listing of ``storage`` just made) had their
+    warning left out, and how to see them; nothing if none was (or all were counted by an earlier listing).
+
+    Example:
+        >>> report_left_out(Storage("memory://doc/left-out"))   # none left out: no line
+    """
+    if _UNREPORTED:
+        log.warning("left out the warnings of %s in %s that do not count as committed (this process gives the first "
+                    "%d; the others are logged at DEBUG). HINT: 'ft-checkpoint ls %s' lists every step with why it "
+                    "does not count", plural(len(_UNREPORTED), "more step"), storage.url, MAX_NOT_COUNTED_WARNINGS,
+                    storage.url)
+        _UNREPORTED.clear()
+
+
 class SignatureCheck(Protocol):
     """What checks a manifest's signature for this run (a :class:`~ft_checkpoint.format.signing.Signer`)."""
 
@@ -370,12 +410,13 @@ class ManifestReader:
         """Whether ``step`` (a step directory that has a ``manifest.json``) counts as committed: :data:`COMMITTED`;
         :data:`NOT_COMMITTED` (garbage: its manifest does not parse, or names another step); with a ``signer``,
         :data:`REFUSED` (unsigned or forged: neither committed nor garbage). A step that does not count is warned about
-        (once per process)."""
+        (once per process, the first :data:`MAX_NOT_COUNTED_WARNINGS` of them: call :func:`report_left_out` after a
+        listing)."""
         try:
             check_manifest(self.read(step), step, signer=signer)
             return COMMITTED
         except CheckpointCorruptError as e:  # SignatureError among them
-            _warn_once(f"step {step} in {self.storage.url} does not count as committed: {e}")
+            _warn_not_counted(f"step {step} in {self.storage.url} does not count as committed: {e}")
             return REFUSED if isinstance(e, SignatureError) else NOT_COMMITTED
 
     def _read(self, step: int) -> Manifest | str:
@@ -430,6 +471,7 @@ class Listing:
         reader = ManifestReader(storage)
         newest = next((step for step in sorted(steps, reverse=True)
                        if steps[step] and reader.status(step, signer=signer) == COMMITTED), None)
+        report_left_out(storage)
         return cls(steps=steps, outcomes=reader.outcomes, newest=newest)
 
     @property
@@ -444,7 +486,9 @@ def committed_steps(storage: Storage, steps: dict[int, bool] | None = None, *,
     counts as committed. One small read each, a manifest hard-linked into several steps read once."""
     steps = list_steps(storage) if steps is None else steps
     reader = ManifestReader(storage)
-    return [step for step in sorted(steps) if steps[step] and reader.status(step, signer=signer) == COMMITTED]
+    committed = [step for step in sorted(steps) if steps[step] and reader.status(step, signer=signer) == COMMITTED]
+    report_left_out(storage)
+    return committed
 
 
 # -- checking ----------------------------------------------------------------------------------

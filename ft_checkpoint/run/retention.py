@@ -52,8 +52,10 @@ def statuses(storage: Storage, *, signer: layout.SignatureCheck | None = None,
         {}
     """
     reader = reader or layout.ManifestReader(storage)
-    return {step: reader.status(step, signer=signer) if has_manifest else layout.NOT_COMMITTED
-            for step, has_manifest in layout.list_steps(storage).items()}
+    status = {step: reader.status(step, signer=signer) if has_manifest else layout.NOT_COMMITTED
+              for step, has_manifest in sorted(layout.list_steps(storage).items())}  # warnings by step, not set order
+    layout.report_left_out(storage)
+    return status
 
 
 def counted(status: dict[int, str]) -> dict[int, bool]:

@@ -52,7 +52,8 @@ def _in_this_process(cmd: list[str], env: dict[str, str]) -> subprocess.Complete
     from ft_checkpoint.tools.cli import main
 
     before, handlers = dict(os.environ), list(logging.getLogger("ft_checkpoint").handlers)
-    once = (config._warned_env, layout._WARNED)  # the warnings a process gives once
+    once = (config._warned_env, layout._WARNED, layout._NOT_COUNTED, layout._LEFT_OUT,  # the warnings a process
+            layout._UNREPORTED)  # gives once, and those of steps that do not count it left out
     warned = [set(given) for given in once]
     for given in once:
         given.clear()

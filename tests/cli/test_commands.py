@@ -455,3 +455,28 @@ def test_gc_never_claims_a_step_that_was_already_gone_when_it_came_to_it(copy, m
     assert "already gone (another gc or the job's retention deleted them): step 20\n" in text, text
     assert "kept: step 40\n" in text, text
 
+
+def test_warnings_of_steps_that_do_not_count_are_capped_and_in_step_order(tmp_path):
+    """Anyone who can write the directory can plant garbage step directories: 100 of them printed 100 warning lines
+    (in set order) in ``gc`` and in the training's log (its retention lists the directory). Now the first 20, by
+    step, and one line saying how many more were left out and where to see them. (``ls`` warns of none: its table
+    shows each such step, with why.)"""
+    import torch
+
+    from ft_checkpoint import CheckpointManager
+
+    run = str(tmp_path / "run")
+    with CheckpointManager(run, interval=1, announce=False) as ckpt:
+        ckpt.save(1000, {"w": torch.zeros(4)}, block=True)
+    for step in random.sample(range(1, 101), 100):  # created in no order: listings come back in set order
+        os.makedirs(os.path.join(run, layout.step_dir(step)))
+        with open(os.path.join(run, layout.step_dir(step), layout.MANIFEST), "w") as f:
+            f.write("{}")
+    proc = cli("gc", run, "--keep", 1, "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    warned = [line for line in proc.stderr.splitlines() if "does not count as committed:" in line]
+    assert len(warned) == 20, proc.stderr
+    assert [int(line.split("step ")[1].split()[0]) for line in warned] == list(range(1, 21)), warned
+    summary = [line for line in proc.stderr.splitlines() if "80 more" in line]
+    assert len(summary) == 1 and "HINT:" in summary[0], proc.stderr
+    assert len(proc.stderr.splitlines()) <= 22, proc.stderr
