@@ -599,7 +599,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
     with Progress("gc: verifying the newest step", 0) as progress:  # its total: the bytes of each step verified
         plan = plan_gc(storage, keep_last=args.keep, keep_every_n_steps=keep_every, on_bytes=progress.update,
                        signer=signer, on_step=growing_total(progress, sizes))
-    deleted, left, gone = plan.delete, [], list[int]()  # gone: steps another gc or the job's retention deleted first
+    deleted, left = plan.delete, []
+    gone: list[int] = []  # steps another gc or the job's retention deleted first
     if not args.dry_run:
         with Progress("gc: deleting", len(plan.delete), unit="step") as progress:
             done = apply_gc(storage, plan, on_deleted=progress.update, gone=gone)  # a link swapped in: left alone
