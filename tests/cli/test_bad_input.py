@@ -165,6 +165,7 @@ def test_ls_fast_names_a_path_that_is_no_fast_tier_folder(tmp_path, fast, expect
     assert proc.returncode == 2 and f"{expected}. HINT: pass the job's fast_dirpath" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow  # a subprocess (over 5 s on a loaded machine): the quick tier stays under 3 minutes
 def test_a_config_file_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
     """``FT_CHECKPOINT_CONFIG`` naming a FIFO (or ``/dev/stdin``) hung every command forever in ``open``."""
     fifo = tmp_path / "ft.yaml"
@@ -188,6 +189,7 @@ def test_dir_wins_over_a_bad_training_dirpath_and_a_bad_setting_names_where_it_c
     assert "interval='abc' is invalid" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow  # a subprocess (over 5 s on a loaded machine): the quick tier stays under 3 minutes
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_gc_whose_output_cannot_be_written_says_its_deletions_are_done(tmp_path):
     """``gc DIR --keep 1 > /dev/full`` deleted the steps, then said "unexpected OSError ... a file in the directory may

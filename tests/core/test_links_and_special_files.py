@@ -247,6 +247,7 @@ def test_a_step_this_user_cannot_read_is_ignored_not_fatal(tmp_path, unreadable)
     assert os.path.isdir(planted)
 
 
+@pytest.mark.slow  # a subprocess (over 5 s on a loaded machine): the quick tier stays under 3 minutes
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
 def test_verify_all_reports_a_file_this_user_cannot_read_and_checks_the_other_steps(tmp_path):
     """A rank file of mode 000 in step 1: ``verify --all`` stopped at it (exit 2, no step reported) with a HINT
