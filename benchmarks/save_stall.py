@@ -80,32 +80,16 @@ def copy_floor(model: torch.nn.Module, opt: torch.optim.Optimizer, repeats: int)
     The best of ``repeats`` rounds of two ways to copy: tensor ``copy_`` and raw storage ``copy_``.
     """
     tensors = tensors_of(model, opt)
-    cuda = tensors[0].is_cuda
-    dst = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in tensors]
-    ways = [lambda d, t: d.copy_(t, non_blocking=cuda),
-            lambda d, t: d.untyped_storage().copy_(t.untyped_storage(), non_blocking=cuda)]
-    best = float("inf")
-    for copy in ways * repeats:
-        t0 = time.perf_counter()
-        for d, t in zip(dst, tensors):
-            copy(d, t)
-        if cuda:
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    dst = staging_buffers(tensors)
+    ways = [lambda d, t: d.copy_(t, non_blocking=t.is_cuda),
+            lambda d, t: d.untyped_storage().copy_(t.untyped_storage(), non_blocking=t.is_cuda)]
+    return min(timed_copy(dst, tensors, copy) for copy in ways * repeats)
 
 
 def capture_floor(model: torch.nn.Module, opt: torch.optim.Optimizer, repeats: int) -> float:
     """Seconds, the best of ``repeats``, to walk the state and take the RNG states: what a save that resumes
     exactly must do before it returns, however little it copies then (see the module's docstring)."""
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        model.state_dict()
-        opt.state_dict()
-        rng_state()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return min(timed_capture(model, opt) for _ in range(repeats))
 
 
 def floors_in_loop(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor,
@@ -114,24 +98,38 @@ def floors_in_loop(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: to
     backward and optimizer step, the caches holding the training's data rather than the state's. (The floors above
     are the best of a tight loop, the state hot in the cache: at 10 MB several times faster.)"""
     tensors = tensors_of(model, opt)
-    cuda = tensors[0].is_cuda
-    dst = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in tensors]
+    dst = staging_buffers(tensors)
     copies, captures = [], []
     for _ in range(rounds):
         train_step(model, opt, batch)
-        t0 = time.perf_counter()
-        for d, t in zip(dst, tensors):
-            d.copy_(t, non_blocking=cuda)
-        if cuda:
-            torch.cuda.synchronize()
-        copies.append(time.perf_counter() - t0)
+        copies.append(timed_copy(dst, tensors, lambda d, t: d.copy_(t, non_blocking=t.is_cuda)))
         train_step(model, opt, batch)
-        t0 = time.perf_counter()
-        model.state_dict()
-        opt.state_dict()
-        rng_state()
-        captures.append(time.perf_counter() - t0)
+        captures.append(timed_capture(model, opt))
     return statistics.median(copies), statistics.median(captures)
+
+
+def staging_buffers(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Host buffers for ``tensors`` (pinned for CUDA ones), as a save's staging has."""
+    return [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in tensors]
+
+
+def timed_copy(dst: list[torch.Tensor], tensors: list[torch.Tensor], copy) -> float:
+    """Seconds for ``copy(d, t)`` of every tensor into its buffer, synchronized for CUDA."""
+    t0 = time.perf_counter()
+    for d, t in zip(dst, tensors):
+        copy(d, t)
+    if tensors[0].is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def timed_capture(model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
+    """Seconds to take the model's and the optimizer's state dicts and the RNG states."""
+    t0 = time.perf_counter()
+    model.state_dict()
+    opt.state_dict()
+    rng_state()
+    return time.perf_counter() - t0
 
 
 def tensors_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -292,7 +290,7 @@ def sizes_table(sizes: list[float], device: str, repeats: int, base: str, profil
         shutil.rmtree(d)
         covering = batch_covering(model, 3 * floor + 0.01, device)
         floor_here, capture_here = floors_in_loop(model, opt, covering, rounds=max(20, repeats))
-        covered = 0.0
+        totals = {}
         for mode, lazy, batch in [("eager", False, covering), ("covered", True, covering), ("short", True, None)]:
             t0 = time.perf_counter()
             train_step(model, opt, batch)
@@ -303,9 +301,9 @@ def sizes_table(sizes: list[float], device: str, repeats: int, base: str, profil
             print(f"{state_bytes(model, opt) / 1e6:>6.0f}MB{mode:>9}{fwd:>11.3f}{call:>9.4f}{wait:>13.4f}{total:>11.4f}"
                   f"{floor:>9.4f}{capture:>11.5f}{plain:>14.4f}{total / floor:>8.2f}{total / capture:>10.2f}"
                   f"{total / plain:>13.2f}")
-            covered = total if mode == "covered" else covered
+            totals[mode] = total
         print(f"{'':>8}where a save runs (after a forward/backward and step; medians): staging copy {floor_here:.5f} s, "
-              f"capture {capture_here:.5f} s; covered blocked {covered / floor_here:.2f}x that copy")
+              f"capture {capture_here:.5f} s; covered blocked {totals['covered'] / floor_here:.2f}x that copy")
         if capture_here > floor_here / 2:
             print(f"{'':>8}where a save runs, covered <= 0.5x the copy ({floor_here / 2:.5f} s) is out of reach: capture "
                   f"alone takes {capture_here:.5f} s")
