@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -637,7 +638,7 @@ Lease.recent = property(lambda self: 0.5)  # a sight of the lease is good for 0.
 dist.init_process_group("gloo")
 def freeze(request, **kwargs):
     if "step_000000000004/__" in request.url and request.url.endswith(".distcp"):
-        print("STOPPED", os.getpid(), flush=True)
+        os.write(1, f"STOPPED {{os.getpid()}}\\n".encode())  # one write: the two ranks' lines never interleave
         os.kill(os.getpid(), signal.SIGSTOP)  # each rank frozen in the upload of its data file of step 4
         time.sleep(0.5)
 def hook(phase, step):
@@ -669,9 +670,9 @@ def _reading(job: subprocess.Popen) -> tuple[list[str], threading.Thread]:
 
 def _frozen_ranks(output: list[str], n: int, timeout: float = 120.0) -> list[int]:
     """The pids in the job's lines ``STOPPED <pid>``, once there are ``n`` (AssertionError with the output if not
-    within ``timeout`` seconds)."""
+    within ``timeout`` seconds). Found anywhere in the output: another rank's line may be cut by one of them."""
     deadline = time.monotonic() + timeout
-    while len(pids := [int(line.split()[1]) for line in list(output) if line.startswith("STOPPED ")]) < n:
+    while len(pids := [int(pid) for pid in re.findall(r"STOPPED (\d+)\n", "".join(output))]) < n:
         assert time.monotonic() < deadline, f"{len(pids)} of {n} ranks froze:\n{''.join(output)[-3000:]}"
         time.sleep(0.1)
     return pids
@@ -830,7 +831,7 @@ def telling(collective):
     def call(self, *args, **kwargs):
         if rank == 0 and kwargs.get("writer") and saving.is_set():
             saving.clear()
-            print("RANK0 WAITS", flush=True)  # its save's first collective, where it waits for rank 1
+            os.write(1, b"RANK0 WAITS\\n")  # its save's first collective, where it waits for rank 1
         return collective(self, *args, **kwargs)
     return call
 Groups.all_gather, Groups.barrier = telling(Groups.all_gather), telling(Groups.barrier)
@@ -838,7 +839,7 @@ def hook(phase, step):
     if (phase, step) == ("staged", 4):
         saving.set()
         if rank == 1:
-            print("STOPPED", os.getpid(), flush=True)
+            os.write(1, f"STOPPED {{os.getpid()}}\\n".encode())  # one write: never interleaved with rank 0's
             os.kill(os.getpid(), signal.SIGSTOP)  # stood still before its writer thread joins the save of step 4
 with CheckpointManager({url!r}, interval=2, final_save=False) as ckpt:
     ckpt.engine.phase_hook = hook
@@ -871,7 +872,7 @@ def test_a_rank_that_stood_still_before_its_save_s_first_collective_writes_nothi
     output, reader = _reading(old)
     try:
         stopped = _frozen_ranks(output, 1)
-        wait_until(lambda: "RANK0 WAITS\n" in output, "rank 0 of the old job in its save's first collective")
+        wait_until(lambda: "RANK0 WAITS\n" in "".join(output), "rank 0 of the old job in its save's first collective")
         with CheckpointManager(url, interval=2, force_takeover=True, final_save=False) as new:
             new.save(4, {"w": torch.full((1000,), -4.0)}, block=True)
             os.kill(stopped[0], signal.SIGCONT)  # rank 1 wakes while the new owner still holds the directory
