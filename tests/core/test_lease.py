@@ -939,7 +939,7 @@ else:
 
 
 SLOW_RANK = """
-import sys, time
+import os, sys, time
 sys.path.insert(0, {root!r})
 import torch
 import torch.distributed as dist
@@ -954,7 +954,7 @@ with CheckpointManager({url!r}, interval=1, keep_last=2) as ckpt:
     ckpt.engine.phase_hook = slow_storage
     for step in (1, 2):
         ckpt.save(step, {{"w": torch.full((1000,), float(step)), "rank": dist.get_rank()}}, block=True)
-    print("SAVED", dist.get_rank(), ckpt.lease.owner["attempt"], flush=True)
+    os.write(1, f"SAVED {{dist.get_rank()}} {{ckpt.lease.owner['attempt']}}\\n".encode())  # one write per line
 """
 
 
@@ -973,7 +973,7 @@ def test_a_rank_whose_writes_outlast_a_sight_of_the_lease_still_finds_it_its_own
     script.write_text(SLOW_RANK.format(root=ROOT, url=url))
     result = jobs.run(str(script), launcher="torchrun", nproc=2, timeout=300)
     assert result.returncode == 0 and "lost the checkpoint lease" not in result.output, result.output[-3000:]
-    saved = sorted(line.split()[1:] for line in result.output.splitlines() if line.startswith("SAVED "))
+    saved = sorted(re.findall(r"SAVED (\d+) (\S+)\n", result.output))  # another rank's line may be cut by one
     assert [rank for rank, _ in saved] == ["0", "1"] and saved[0][1] == saved[1][1], saved  # one attempt
     with CheckpointManager(url) as ckpt:
         state = {"w": torch.zeros(1000), "rank": None}
