@@ -26,6 +26,16 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
+def pytest_collection_modifyitems(config, items):
+    """The files that hold a ``slow`` test (jobs killed and restarted: a minute or more each) run first, the quick
+    ones after them. With ``--dist loadfile --no-loadscope-reorder`` (pyproject.toml) each worker takes the next
+    file in this order, so that the hundreds of quick files fill the end of the run. xdist's own order (most tests
+    first) put the longest files, which hold few tests each, last: one worker ran the last of them for minutes while
+    the other had nothing left."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # a stable sort: the order within each part is kept
+
+
 class _Forgotten(set):
     """Keeps nothing: see :func:`each_manager_as_if_in_a_new_process`."""
 

@@ -27,7 +27,7 @@ KILL_AT = 17  # epoch 1 of 6 steps per epoch and rank; saves every 3 steps
 def launch(zero: int, out, *args: str, tmp_path) -> Run:
     return jobs.run(SCRIPT, out, *args, out=out, launcher="accelerate", nproc=2, restarts=1, timeout=TIMEOUT,
                     launcher_args=["--use_deepspeed", "--zero_stage", str(zero)],
-                    env={**ENV, "HF_HOME": str(tmp_path / "hf_home")})
+                    env={**ENV, "HF_HOME": str(tmp_path / "hf_home"), "FT_TEST_TRANSFORMERS": "1"})
 
 
 @pytest.mark.parametrize("zero", [2, 3])

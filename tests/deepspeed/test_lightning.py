@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import pathlib
 import random
 
 import pytest
@@ -51,14 +52,28 @@ def test_the_cpu_bypass_still_matches_lightning():
     assert "parallel_devices" in inspect.signature(DeepSpeedStrategy).parameters
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run of each stage (its output folder), run once for the tests that compare with it."""
+    runs: dict[int, pathlib.Path] = {}
+
+    def run(stage: int) -> pathlib.Path:
+        if stage not in runs:
+            root = tmp_path_factory.mktemp(f"reference-stage{stage}")
+            job(root, "ref", stage)
+            runs[stage] = root / "ref"
+        return runs[stage]
+    return run
+
+
 @pytest.mark.parametrize("stage,fast", [(2, False), (3, False), (2, True)],  # stage 1 saves as 2: see test_plain.py
                          ids=["stage2", "stage3", "stage2-fast-tier"])
-def test_deepspeed_strategy_killed_mid_epoch_resumes_bit_exact(tmp_path, stage, fast):
+def test_deepspeed_strategy_killed_mid_epoch_resumes_bit_exact(tmp_path, reference, stage, fast):
     """With ``fast``: a fast tier saved at every step (the durable tier every 3): the resume takes the killed step
     from it."""
     kill_at = random.Random(f"{SEED}-lightning-{stage}").randint(8, 15)  # epoch 1 of 6 steps per epoch
     env = {"FT_CHECKPOINT_FAST_DIRPATH": str(tmp_path / "fast"), "FT_CHECKPOINT_FAST_INTERVAL": "1"} if fast else {}
-    job(tmp_path, "ref", stage)
+    ref = reference(stage)
     job(tmp_path, "out", stage, "--kill-at", kill_at, killed=True, env=env)
     job(tmp_path, "out", stage, env=env)
     with open(tmp_path / "out" / "runs.jsonl") as f:
@@ -71,8 +86,8 @@ def test_deepspeed_strategy_killed_mid_epoch_resumes_bit_exact(tmp_path, stage, 
         assert resumed[0] > kill_at - 3 and sources == {"fast tier, own node"}, (kill_at, runs)
     for rank in (0, 1):
         got = torch.load(tmp_path / "out" / f"final.rank{rank}.pt", weights_only=True)
-        want = torch.load(tmp_path / "ref" / f"final.rank{rank}.pt", weights_only=True)
+        want = torch.load(ref / f"final.rank{rank}.pt", weights_only=True)
         assert set(got) == set(want)
         for key, tensor in want.items():
             assert torch.equal(got[key], tensor), f"seed {SEED}, killed after step {kill_at}: rank {rank} {key} differs"
-        assert batches(tmp_path / "out", rank) == batches(tmp_path / "ref", rank), "other batches after the resume"
+        assert batches(tmp_path / "out", rank) == batches(ref, rank), "other batches after the resume"

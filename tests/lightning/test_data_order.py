@@ -52,8 +52,7 @@ def reference_run(job, tmp_path, args: tuple) -> str:
     return ref
 
 
-SINGLE = {
-    "loader_generator": ("--loader", "generator"),
+SINGLE = {  # the loader's generator without workers: a part of the case with workers (it also seeds them)
     "sampler_generator": ("--loader", "sampler_generator"),
     "loader_generator_workers_augment": ("--loader", "generator", "--workers", 2, "--augment"),
     "shuffle_workers_augment": ("--loader", "shuffle", "--workers", 2, "--augment"),
