@@ -30,8 +30,8 @@ def pytest_collection_modifyitems(config, items):
     """The files that hold a ``slow`` test (jobs killed and restarted: a minute or more each) run first, the quick
     ones after them. With ``--dist loadfile --no-loadscope-reorder`` (pyproject.toml) each worker takes the next
     file in this order, so that the hundreds of quick files fill the end of the run. xdist's own order (most tests
-    first) put the longest files, which hold few tests each, last: one worker ran the last of them for minutes while
-    the other had nothing left."""
+    first) puts the longest files, which hold few tests each, last, where one of them can keep a worker busy after
+    the other has run out of files."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)  # a stable sort: the order within each part is kept
 
