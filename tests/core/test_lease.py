@@ -436,7 +436,8 @@ with CheckpointManager({url!r}, interval=2, keep_last=1, storage_options=json.lo
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["local", "s3"])
-def test_a_hung_writer_taken_over_never_writes_over_the_step_the_new_owner_committed(kind, request, tmp_path):
+def test_a_hung_writer_taken_over_never_writes_over_the_step_the_new_owner_committed(kind, request, tmp_path,
+                                                                                   short_wait_after_takeover):
     """A real job hangs (SIGSTOP) in the save of step 4, its step directory cleared; another job takes the
     directory over, commits its own step 4 and retention deletes step 2; then the hung job wakes. Before: it wrote
     its rank file, shard and metadata over the new owner's committed step 4, and was refused only at its commit:
@@ -537,8 +538,8 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @pytest.mark.slow
-def test_an_upload_in_flight_when_its_job_froze_never_lands_over_the_new_owners_committed_step(s3_server, request,
-                                                                                               tmp_path):
+def test_an_upload_in_flight_when_its_job_froze_never_lands_over_the_new_owners_committed_step(
+        s3_server, request, tmp_path, short_wait_after_takeover):
     """A real job freezes (SIGSTOP) in the S3 upload of step 4's data file, past the check of its lease; another job
     takes the directory over and commits its own step 4 (retention deletes step 2); then the frozen job wakes and its
     upload completes. Before: it landed over the new owner's committed data file; the step no longer verified, and
@@ -595,7 +596,7 @@ def test_a_writer_taken_over_without_waiting_for_its_heartbeat_never_writes_over
 
 @pytest.mark.slow
 def test_an_upload_that_lands_between_the_new_owners_clear_and_its_own_write_is_deleted_and_written_again(
-        s3_server, request, tmp_path, caplog):
+        s3_server, request, tmp_path, caplog, short_wait_after_takeover):
     """The frozen job of the test above wakes while the new owner saves step 4, after its clear of the step and before
     its data file: the late upload lands first. The new owner's create of that file is then refused; it finds the
     lease its own, deletes the file with a warning naming it, writes its own, and commits."""

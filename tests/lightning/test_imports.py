@@ -34,7 +34,6 @@ def test_only_public_core_modules():
     assert not [m for m in imported_modules() if m.split(".")[0] in ("accelerate", "accelerate_ft")]
 
 
-
 PROBE = "import sys, lightning\nprint(sorted({m.split('.')[0] for m in sys.modules} & {'transformers'}))\n"
 
 
