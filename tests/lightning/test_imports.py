@@ -37,6 +37,7 @@ def test_only_public_core_modules():
 PROBE = "import sys, lightning\nprint(sorted({m.split('.')[0] for m in sys.modules} & {'transformers'}))\n"
 
 
+@pytest.mark.slow  # two Lightning processes: over 5 s (tests/test_imports.py keeps such tests out of the quick tier)
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
 def test_test_jobs_start_lightning_without_transformers_unless_they_ask_for_it(tmp_path):
     """``ft_checkpoint.testing.jobs`` hides transformers from its jobs' package metadata: torchmetrics imports it with
