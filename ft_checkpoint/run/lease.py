@@ -2,12 +2,15 @@
 
 Two jobs saving into the same ``dirpath`` would delete each other's steps (retention) and interleave
 their journals. The first job writes ``lease.json`` (attempt, host, pid, process space, job id,
-launcher restart counters, heartbeat) and refreshes the heartbeat from a background thread.
+launcher restart counters, whether it holds ``lease.lock``, heartbeat) and refreshes the heartbeat from a
+background thread.
 
 **Takeover.** Another job refuses to start, with an error that names the owner, unless:
 
 - the lease is this attempt's own, or this very process's (an earlier manager that could not release it);
-- the owner ran on this host and its process is gone (a crashed run started again);
+- the owner ran on this host and its process is gone (a crashed run started again); on local disk, in any PID
+  namespace of this kernel: the owner held a lock on ``lease.lock`` while it lived, and the lock is free
+  (``owner_lock``: a container restarted in place takes the lease over at once);
 
   "this process" and "this host" mean the same host name *and* the same process space (:func:`process_space`:
   the kernel's boot id and the PID namespace): a container recreated under its old host name (a Kubernetes
@@ -96,6 +99,7 @@ from ft_checkpoint.errors import (
     StorageExistsError,
     StorageNotFoundError,
 )
+from ft_checkpoint.run.owner_lock import LOCK, OwnerLock
 from ft_checkpoint.store import jsonfile
 from ft_checkpoint.store.storage import Entry, Storage
 
@@ -188,6 +192,7 @@ def parse_lease(data: bytes) -> dict[str, Any]:
               "pid": jsonfile.get_int(obj, "pid", minimum=1, maximum=_MAX_PID),
               "space": _space(obj), "legacy": "space" not in obj and "pids" not in obj,
               "job": jsonfile.get_str(obj, "job", optional=True), "restarts": _parse_restarts(obj.get("restarts")),
+              "lock": obj.get("lock") is True,
               "heartbeat": jsonfile.get_number(obj, "heartbeat")}
     if record["job"] is not None and is_placeholder(record["job"].partition("=")[2]):
         record["job"] = None  # written by a version that took "none" for an id
@@ -238,7 +243,10 @@ class Lease:
         self.timeout = float(timeout)
         self.refresh = float(refresh)
         self.owner: dict[str, Any] = {"attempt": attempt, "host": socket.gethostname(), "pid": os.getpid(),
-                                      "space": process_space(), "job": job_id(), "restarts": launcher_restarts()}
+                                      "space": process_space(), "job": job_id(), "restarts": launcher_restarts(),
+                                      "lock": False}
+        self._owner_lock = OwnerLock(storage)
+        """Held from before this job claims the lease until after it releases it (local disk): see ``owner_lock``."""
         protocols = {storage.fs.protocol} if isinstance(storage.fs.protocol, str) else set(storage.fs.protocol)
         self.fencing = "etag" if protocols & {"s3", "s3a"} else "read-compare-write"
         """How a heartbeat makes sure it overwrites only its own lease (see the module docstring)."""
@@ -264,6 +272,15 @@ class Lease:
     # -- public --------------------------------------------------------------------------------
     def acquire(self, *, force: bool = False) -> None:
         """Take the lease, or raise LeaseError naming the job that holds it."""
+        self.owner["lock"] = self._owner_lock.try_hold()  # before the read: then a free lock proves its owner gone
+        try:
+            self._acquire(force)
+        except BaseException:
+            self._owner_lock.release()
+            self.owner["lock"] = False
+            raise
+
+    def _acquire(self, force: bool) -> None:
         seen = self._read()
         if seen.exists and not force:
             reason = self._takeover_reason(seen)
@@ -383,12 +400,17 @@ class Lease:
             self._lose(seen)
 
     def release(self) -> None:
-        """Stop the heartbeat and remove the lease if it is still ours."""
+        """Stop the heartbeat and remove the lease if it is still ours; then drop the lock on ``lease.lock``."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        if self._lost is not None or self._thread is None:
-            return
+        try:
+            if self._lost is None and self._thread is not None:
+                self._remove()
+        finally:
+            self._owner_lock.release()  # after the lease is gone: this process writes no more
+
+    def _remove(self) -> None:
         try:
             with self.storage.best_effort():  # while the store is down: one attempt (a stale lease is taken over)
                 if self._mine(self._read()):
@@ -445,7 +467,16 @@ class Lease:
             return "it is this process's own"
         if self._same_space(current) and not _pid_alive(current["pid"]):
             return f"its process {current['pid']} on this host is gone"
+        if current.get("lock") and self.owner["lock"] and self._same_kernel(current):
+            return f"its process {current['pid']} on this host is gone: the lock on {LOCK} it held while it lived is free"
         return None
+
+    def _same_kernel(self, record: dict[str, Any]) -> bool:
+        """Whether the owner ``record`` ran on this host's kernel as it runs now (the same boot id), in any PID
+        namespace: a lock it held there is one this process sees."""
+        theirs, mine = record.get("space"), self.owner["space"]
+        return (record["host"] == self.owner["host"] and theirs is not None and mine is not None
+                and theirs.partition("/")[0] == mine.partition("/")[0])
 
     def _refusal(self, seen: _Seen) -> str:
         force = "pass force_takeover=True (FT_CHECKPOINT_FORCE_TAKEOVER=1) if it is dead"
@@ -467,6 +498,8 @@ class Lease:
         """Where the owner ``record`` runs, when its host name is this one's but its pid names no process here."""
         if self._same_space(record) or record["host"] != self.owner["host"]:
             return ""
+        if record.get("lock") and self._same_kernel(record):
+            return f" in another PID namespace (a container or pod of the same host name), alive: it holds {LOCK}"
         if record["space"] is not None and self.owner["space"] is not None:
             return " in another PID namespace (a container or pod of the same host name: its process cannot be seen from here)"
         return (" in a PID namespace that cannot be compared with this one's (/proc not mounted, or its boot_id "

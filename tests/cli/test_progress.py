@@ -100,7 +100,7 @@ def test_gc_shows_its_progress(run, tmp_path, long_work):
     assert any(re.match(r"gc: verifying the newest step: [\d.]+ [kM]?B of 6.02 MB", line) for line in lines), lines
     assert "gc: deleting: 1 step of 2 steps (50%)" in "\n".join(lines), lines
     assert any(line.startswith("gc: deleting: 2 steps of 2 steps (100%)") and line.endswith("done") for line in lines)
-    assert sorted(os.listdir(copy)) == ["journal", "step_000000000030"]
+    assert sorted(os.listdir(copy)) == ["journal", "lease.lock", "step_000000000030"]
 
 
 def test_gc_progress_never_goes_past_its_total_when_the_newest_step_is_corrupt(run, tmp_path, long_work):
@@ -120,7 +120,7 @@ def test_gc_progress_never_goes_past_its_total_when_the_newest_step_is_corrupt(r
     assert amounts and all(amounts), progress_lines(long_work)
     assert all(in_bytes(m.group(1)) <= in_bytes(m.group(2)) for m in amounts), [m.group(0) for m in amounts]
     assert amounts[-1].group(1) == amounts[-1].group(2) == "12 MB", amounts[-1].group(0)  # both steps, all of them
-    assert sorted(os.listdir(copy)) == ["journal", "step_000000000020", "step_000000000030"]
+    assert sorted(os.listdir(copy)) == ["journal", "lease.lock", "step_000000000020", "step_000000000030"]
 
 
 def in_bytes(amount: str) -> float:

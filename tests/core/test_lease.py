@@ -939,6 +939,59 @@ else:
         pass
 
 
+TAKE_OVER = """
+import logging, sys, time
+sys.path.insert(0, {root!r})
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
+import torch
+from ft_checkpoint import CheckpointManager
+with CheckpointManager({url!r}, interval=1, announce=False) as ckpt:
+    print("QUIET", ckpt.lease._quiet_until < time.monotonic(), flush=True)
+    ckpt.save(2, {{"w": torch.full((10,), 2.0)}}, block=True)
+print("SAVED", flush=True)
+"""
+
+
+def _pid_one_of(launcher: subprocess.Popen) -> int:
+    """The host's pid of the process ``unshare --fork`` runs as pid 1 of its namespace (its only child)."""
+    with open(f"/proc/{launcher.pid}/task/{launcher.pid}/children") as f:
+        return int(f.read().split()[0])
+
+
+@pytest.mark.slow
+def test_a_container_restarted_in_place_takes_over_the_lease_its_killed_predecessor_held_at_once(tmp_path):
+    """A container restarted in place (``docker restart``, a pod's container after an OOM kill): same host name and
+    kernel, a new PID namespace, where the old owner's pid 1 is this process's own. Its pid proves nothing, so the
+    new start was refused until the old heartbeat was 2 min old, and then waited 30 s before its first save. The old
+    owner held the lock on ``lease.lock`` while it lived; the kernel dropped it with the process: taken over at
+    once, with no wait before the first save."""
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc", "true"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no unprivileged PID namespaces here: {probe.stderr.decode().strip()}")
+    url = str(tmp_path / "ckpt")
+    old = in_own_pid_namespace(HOLD.format(root=ROOT, url=url))
+    try:
+        assert old.stdout.readline().strip() == "HOLDING", old.stderr.read()
+        assert holder_of(Storage(url))["lock"] is True
+        os.kill(_pid_one_of(old), signal.SIGKILL)  # the container's main process dies (its files close with it)
+        old.wait(timeout=60)
+    finally:
+        old.kill()
+        old.wait()
+    assert holder_of(Storage(url))["heartbeat"] > time.time() - 60, "the dead owner's heartbeat is recent"
+    new = in_own_pid_namespace(TAKE_OVER.format(root=ROOT, url=url))
+    out, err = new.communicate(timeout=120)
+    assert new.returncode == 0 and "SAVED" in out, out + err
+    assert "its process 1 on this host is gone: the lock on lease.lock it held while it lived is free" in out, out
+    assert "QUIET True" in out and "before this job's first save" not in out + err, out + err
+    import torch
+
+    with CheckpointManager(url) as ckpt:
+        state = {"w": torch.zeros(10)}
+        assert ckpt.resume(state) == 2 and float(state["w"][0]) == 2.0
+
+
 SLOW_RANK = """
 import os, sys, time
 sys.path.insert(0, {root!r})

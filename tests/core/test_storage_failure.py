@@ -62,7 +62,7 @@ def test_read_only_directory_fails_next_save_and_keeps_commits(tmp_path):
     with CheckpointManager(url) as again:
         assert again.resume(resumed) == 4
     assert_same(resumed, state)
-    assert sorted(os.listdir(url)) == ["journal", "step_000000000001", "step_000000000004"]
+    assert sorted(os.listdir(url)) == ["journal", "lease.lock", "step_000000000001", "step_000000000004"]
 
 
 def test_read_only_directory_fails_at_close(tmp_path):
