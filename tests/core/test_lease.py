@@ -939,15 +939,30 @@ else:
         pass
 
 
+TRAIN_AND_HOLD = """
+import sys, time
+sys.path.insert(0, {root!r})
+import torch
+from ft_checkpoint import CheckpointManager
+ckpt = CheckpointManager({url!r}, interval=4, **{config!r})
+for step in range(1, 7):
+    ckpt.maybe_save(step, {{"w": torch.full((10,), float(step))}})
+ckpt.wait()
+print("HOLDING", flush=True)
+time.sleep(600)
+"""
+
 TAKE_OVER = """
 import logging, sys, time
 sys.path.insert(0, {root!r})
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
 import torch
 from ft_checkpoint import CheckpointManager
-with CheckpointManager({url!r}, interval=1, announce=False) as ckpt:
+with CheckpointManager({url!r}, interval=4, **{config!r}) as ckpt:
+    state = {{"w": torch.zeros(10)}}
+    print("RESUMED", ckpt.resume(state), float(state["w"][0]), flush=True)
     print("QUIET", ckpt.lease._quiet_until < time.monotonic(), flush=True)
-    ckpt.save(2, {{"w": torch.full((10,), 2.0)}}, block=True)
+    ckpt.save(7, state, block=True)
 print("SAVED", flush=True)
 """
 
@@ -959,18 +974,21 @@ def _pid_one_of(launcher: subprocess.Popen) -> int:
 
 
 @pytest.mark.slow
-def test_a_container_restarted_in_place_takes_over_the_lease_its_killed_predecessor_held_at_once(tmp_path):
+@pytest.mark.parametrize("fast", [False, True], ids=["durable", "fast-tier"])
+def test_a_container_restarted_in_place_takes_over_the_lease_its_killed_predecessor_held_at_once(tmp_path, fast):
     """A container restarted in place (``docker restart``, a pod's container after an OOM kill): same host name and
     kernel, a new PID namespace, where the old owner's pid 1 is this process's own. Its pid proves nothing, so the
     new start was refused until the old heartbeat was 2 min old, and then waited 30 s before its first save. The old
-    owner held the lock on ``lease.lock`` while it lived; the kernel dropped it with the process: taken over at
-    once, with no wait before the first save."""
+    owner held the lock on ``lease.lock`` while it lived; the kernel dropped it with the process (killed from outside:
+    pid 1 of a namespace ignores a SIGKILL of its own): taken over at once, no wait before the first save, and with a
+    fast tier the newest step comes from it (``/dev/shm`` outlives a container's restart)."""
     probe = subprocess.run(["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc", "true"],
                            capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"no unprivileged PID namespaces here: {probe.stderr.decode().strip()}")
     url = str(tmp_path / "ckpt")
-    old = in_own_pid_namespace(HOLD.format(root=ROOT, url=url))
+    config = {"fast_dirpath": str(tmp_path / "shm"), "fast_interval": 1} if fast else {}
+    old = in_own_pid_namespace(TRAIN_AND_HOLD.format(root=ROOT, url=url, config=config))
     try:
         assert old.stdout.readline().strip() == "HOLDING", old.stderr.read()
         assert holder_of(Storage(url))["lock"] is True
@@ -980,16 +998,12 @@ def test_a_container_restarted_in_place_takes_over_the_lease_its_killed_predeces
         old.kill()
         old.wait()
     assert holder_of(Storage(url))["heartbeat"] > time.time() - 60, "the dead owner's heartbeat is recent"
-    new = in_own_pid_namespace(TAKE_OVER.format(root=ROOT, url=url))
+    new = in_own_pid_namespace(TAKE_OVER.format(root=ROOT, url=url, config=config))
     out, err = new.communicate(timeout=120)
     assert new.returncode == 0 and "SAVED" in out, out + err
     assert "its process 1 on this host is gone: the lock on lease.lock it held while it lived is free" in out, out
+    assert ("RESUMED 6 6.0" if fast else "RESUMED 4 4.0") in out, out + err
     assert "QUIET True" in out and "before this job's first save" not in out + err, out + err
-    import torch
-
-    with CheckpointManager(url) as ckpt:
-        state = {"w": torch.zeros(10)}
-        assert ckpt.resume(state) == 2 and float(state["w"][0]) == 2.0
 
 
 SLOW_RANK = """
