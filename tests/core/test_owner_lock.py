@@ -47,6 +47,29 @@ def test_a_lease_whose_owner_held_the_lock_is_taken_over_at_once_once_the_lock_i
     assert not os.path.exists(os.path.join(url, LEASE)) and os.path.isfile(os.path.join(url, LOCK))
 
 
+def test_a_dead_owner_whose_pid_another_process_took_is_taken_over_at_once(tmp_path, caplog):
+    """Same host, same PID namespace, and the dead owner's pid now names another process (pids are few and soon
+    reused in a container): the pid looked alive, and the job was refused until the heartbeat was 2 min old."""
+    import subprocess
+    import sys
+
+    url = str(tmp_path / "ckpt")
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        write_pod_lease(url, lock=True)
+        with open(os.path.join(url, LEASE)) as f:
+            record = json.load(f)
+        record.update(pid=other.pid, space=SPACE)  # this namespace; its pid taken by a live process
+        with open(os.path.join(url, LEASE), "w") as f:
+            json.dump(record, f)
+        with caplog.at_level(logging.INFO, logger="ft_checkpoint.run.lease"), CheckpointManager(url) as ckpt:
+            assert ckpt.lease._quiet_until < time.monotonic()
+        assert f"its process {other.pid} on this host is gone: the lock on lease.lock" in caplog.text
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_a_lease_whose_owner_still_holds_the_lock_is_refused_and_says_the_owner_is_alive(tmp_path):
     url = str(tmp_path / "ckpt")
     write_pod_lease(url, lock=True)
