@@ -31,10 +31,14 @@ Example:
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
 import stat
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock, so no proof (the lease is judged by its heartbeat)
+    fcntl = None  # type: ignore[assignment]
 
 from ft_checkpoint.store import nofollow
 from ft_checkpoint.store.storage import Storage
@@ -67,7 +71,7 @@ class OwnerLock:
         if self.held:
             return True
         self._fd = None  # a forked child's copy of its parent's lock, closed at the fork
-        if not self.storage.is_local:
+        if not self.storage.is_local or fcntl is None:
             return False
         try:
             with nofollow.open_directory(self.storage.path(""), "", create=True) as directory:
@@ -120,4 +124,5 @@ def _close_in_child() -> None:
     _held.clear()
 
 
-os.register_at_fork(after_in_child=_close_in_child)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_child)
