@@ -123,6 +123,8 @@ def describe_step(storage: Storage, step: int, *, signer: Signer | None = None,
     if not check.ok or check.manifest is None:
         status = UNVERIFIED if check.signature == layout.REFUSED else CORRUPT
         info.status, info.reason, info.manifest = status, "; ".join(check.problems), True
+        sizes.pop(layout.MANIFEST, None)  # counted as a committed step's are: its data files, the manifest left out
+        info.bytes, info.files = sum(sizes.values()), len(sizes)
         return info
     m = check.manifest
     return StepInfo(step=step, status=COMMITTED, bytes=m.total_bytes, files=len(m.files), time=m.time,

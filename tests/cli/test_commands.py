@@ -63,6 +63,17 @@ def test_ls_does_not_promise_a_step_that_a_resume_would_skip(copy):
     assert verify.returncode == 1 and f"step {STEPS}: CORRUPT" in verify.stdout
 
 
+def test_ls_counts_a_corrupt_steps_files_and_bytes_as_a_committed_steps(copy):
+    """The files and size columns of a committed step are its data files (the manifest's list); a step whose manifest
+    does not parse counted its ``manifest.json`` too: one file more, and its bytes, than the same step committed."""
+    before = {s["step"]: s for s in cli_json("ls", copy)["steps"]}
+    with open(step_file(copy, STEPS, layout.MANIFEST), "w") as f:
+        f.write("{garbage")
+    after = {s["step"]: s for s in cli_json("ls", copy)["steps"]}
+    assert after[STEPS]["status"] == "corrupt"
+    assert (after[STEPS]["files"], after[STEPS]["bytes"]) == (before[STEPS]["files"], before[STEPS]["bytes"])
+
+
 def test_verify_calls_a_step_without_a_manifest_partial_not_corrupt(copy):
     """An interrupted save (or one being written) leaves a step without ``manifest.json``: ``ls`` says "partial",
     ``verify --step`` said CORRUPT, as of a damaged checkpoint."""
