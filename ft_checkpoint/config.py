@@ -34,7 +34,7 @@ from ft_checkpoint.errors import ConfigError
 from ft_checkpoint.format import layout, signing
 from ft_checkpoint.store.jsonfile import is_int, is_number
 from ft_checkpoint.store.nofollow import read_named_file
-from ft_checkpoint.store.storage import refuse_missing_slash
+from ft_checkpoint.store.storage import refuse_missing_slash, refuse_no_path
 from ft_checkpoint.units import parse_duration, parse_signal, short
 
 log = logging.getLogger(__name__)
@@ -308,6 +308,7 @@ def _check_dirpath(field: str, value: Any) -> str | None:
                            "in 'runs/sweep[1]' would also match 'runs/sweep1'); e.g. 'runs/sweep-1'")
     if isinstance(value, str):
         refuse_missing_slash(field, value)
+        refuse_no_path(field, value)
         _refuse_careless_path(field, value)
     return value
 

@@ -296,6 +296,26 @@ def refuse_missing_slash(field: str, url: str) -> None:
                           "folder of that name)")
 
 
+def refuse_no_path(field: str, url: str) -> None:
+    """ConfigError if ``url`` names nothing after its protocol (a variable left empty, say): ``file://`` is the current
+    directory, ``gs://`` and ``s3://`` no bucket. ``file:///`` (the root, written out) is a path.
+
+    Example:
+        >>> try:
+        ...     refuse_no_path("dirpath", "gs://")
+        ... except ConfigError as e:
+        ...     print(e)
+        dirpath='gs://' names no bucket: a variable left empty? HINT: write e.g. 'gs://bucket/run'
+    """
+    protocol, separator, rest = url.partition("://")
+    if separator and protocol in _LOCAL_PROTOCOLS and not rest:
+        raise ConfigError(f"{field}={url!r} names no path: as written it is the current directory, {os.getcwd()!r} (a "
+                          f"variable left empty?). HINT: write e.g. '{protocol}:///scratch/run' or a path")
+    if separator and protocol in _BUCKET_PROTOCOLS and not rest.strip("/"):
+        raise ConfigError(f"{field}={url!r} names no bucket: a variable left empty? HINT: write e.g. "
+                          f"'{protocol}://bucket/run'")
+
+
 def make_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """Resolve ``url`` to ``(filesystem, root path)``, with errors that say what to fix.
 
@@ -316,6 +336,7 @@ def make_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> 
             "some stores (a delete in 'runs/sweep[1]' would also match 'runs/sweep1'). HINT: use a name without them, "
             "e.g. 'runs/sweep-1'")
     refuse_missing_slash("dirpath", url)
+    refuse_no_path("dirpath", url)
     options = single_attempt_options(url.split("://", 1)[0] if "://" in url else "file", storage_options or {})
     try:
         fs, root = url_to_fs(os.path.expanduser(url), **{**options, "skip_instance_cache": True})
@@ -411,6 +432,17 @@ def _write_all(f: Any, view: memoryview) -> None:
         view = view[n:]
 
 
+def _display_url(url: str) -> str:
+    """``url`` without slashes at its end, but a filesystem's root as written (``file:///``, not ``file:``).
+
+    Example:
+        >>> _display_url("gs://b/run/"), _display_url("file:///")
+        ('gs://b/run', 'file:///')
+    """
+    stripped = url.rstrip("/")
+    return url if stripped.endswith(":") else stripped
+
+
 def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
     return {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
 
@@ -437,7 +469,7 @@ class Storage:
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, retries: int = 5,
                  backoff: float = 0.2, fsync: bool = True) -> None:
-        self.url = url.rstrip("/") if "://" in url else os.path.abspath(os.path.expanduser(url))
+        self.url = _display_url(url) if "://" in url else os.path.abspath(os.path.expanduser(url))
         self.storage_options = dict(storage_options or {})
         self.fs, self.root = make_filesystem(url, self.storage_options)
         self.root = self.root.rstrip("/") or "/"

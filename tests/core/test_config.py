@@ -182,6 +182,24 @@ def test_a_url_missing_its_colon_is_refused_not_made_a_local_folder(url, tmp_pat
     assert os.listdir(tmp_path) == [], "nothing is made on the local disk"
 
 
+@pytest.mark.parametrize("url", ["file://", "local://", "gs://", "s3://", "gcs:///", "s3a://"])
+def test_a_url_with_nothing_after_its_protocol_is_refused(url, tmp_path, monkeypatch):
+    """``f"file://{os.environ.get('CKPT_DIR', '')}"`` with the variable unset: ``file://`` was the current directory,
+    where the job wrote its journal, lease and steps, shown as ``file:``; ``gs://`` went on to fail on a bucket named
+    nothing (or, with credentials, to list every bucket)."""
+    monkeypatch.chdir(tmp_path)
+    what = "path" if url.startswith(("file", "local")) else "bucket"
+    for given in (lambda: CheckpointManager(url, interval=1), lambda: CheckpointConfig(fast_dirpath=url)
+                  if what == "path" else CheckpointConfig(dirpath=url), lambda: Storage(url)):
+        with pytest.raises(ConfigError, match=f"='{url}' names no {what}"):
+            given()
+    assert os.listdir(tmp_path) == [], "nothing is made on the local disk"
+
+
+def test_the_root_written_out_is_a_path_and_shown_as_written():
+    assert Storage("file:///").url == "file:///" and Storage("file:///").root == "/"
+
+
 @pytest.mark.parametrize("url", ["file:/tmp/run", "./gs:/bucket/run", "runs/gs:/x", "C:/x", "./s3//x", "data//run",
                                  "runs//s3"])
 def test_paths_that_only_look_like_a_url_missing_a_slash_are_kept(url):
