@@ -542,6 +542,8 @@ class Lease:
     def _refresh(self) -> bool:
         """One heartbeat, written only over this attempt's own lease; False once the lease is lost. A sight of the
         lease as ours dates from before the request that showed it (see :meth:`_confirm`)."""
+        if self._owner_lock.busy and self._owner_lock.try_hold():  # the previous owner let it go after our start
+            self.owner["lock"] = True  # held before the lease says so
         since = time.monotonic()
         if self._etag is not None:
             try:

@@ -57,6 +57,8 @@ class OwnerLock:
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
         self._fd: int | None = None
+        self.busy = False
+        """The last :meth:`try_hold` found the lock held by another process (worth trying again later)."""
         self._pid = os.getpid()
         """The process that holds ``_fd``: a forked child has closed its copy, and never unlocks the parent's."""
 
@@ -70,7 +72,7 @@ class OwnerLock:
         process holds it, the store is not local disk, or ``lease.lock`` cannot be locked (a warning says why)."""
         if self.held:
             return True
-        self._fd = None  # a forked child's copy of its parent's lock, closed at the fork
+        self._fd, self.busy = None, False  # _fd: a forked child's copy of its parent's lock, closed at the fork
         if not self.storage.is_local or fcntl is None:
             return False
         try:
@@ -88,7 +90,8 @@ class OwnerLock:
                 return False
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            self.busy = e.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+            if not self.busy:
                 log.debug("cannot lock %s: %s", self.storage.url_of(LOCK), e)  # ENOLCK, EOPNOTSUPP: no locks there
             os.close(fd)
             return False

@@ -83,6 +83,29 @@ def test_a_lease_whose_owner_still_holds_the_lock_is_refused_and_says_the_owner_
         os.close(fd)
 
 
+def test_a_job_that_found_the_lock_held_takes_it_at_a_later_heartbeat_and_says_so(tmp_path):
+    """A job that starts while the previous owner is between removing ``lease.json`` and unlocking finds the lease
+    free and the lock held: it runs with ``"lock": false`` (its restart in another PID namespace could prove nothing)
+    until a heartbeat finds the lock free, takes it, and writes ``"lock": true``."""
+    from ft_checkpoint.run.lease import Lease
+
+    storage = Storage(str(tmp_path))
+    previous = OwnerLock(storage)
+    assert previous.try_hold()
+    lease = Lease(storage, attempt="new", refresh=0.2)
+    lease.acquire()
+    try:
+        assert json.loads(storage.read_bytes(LEASE))["lock"] is False
+        previous.release()
+        deadline = time.monotonic() + 30
+        while not json.loads(storage.read_bytes(LEASE))["lock"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert json.loads(storage.read_bytes(LEASE))["lock"] is True
+        assert not OwnerLock(storage).try_hold(), "the owner holds the lock its lease says it holds"
+    finally:
+        lease.release()
+
+
 @pytest.mark.parametrize("case", ["earlier-version", "owner-found-it-held", "another-kernel"])
 def test_a_free_lock_proves_nothing_for_an_owner_that_did_not_hold_it_or_ran_on_another_kernel(tmp_path, case):
     """An earlier version's lease (no ``lock``), an owner that found the lock held (``false``), or one on another
