@@ -498,7 +498,7 @@ class Lease:
         """Where the owner ``record`` runs, when its host name is this one's but its pid names no process here."""
         if self._same_space(record) or record["host"] != self.owner["host"]:
             return ""
-        if record.get("lock") and self._same_kernel(record):
+        if record.get("lock") and self._same_kernel(record) and self._owner_lock.busy:
             return f" in another PID namespace (a container or pod of the same host name), alive: it holds {LOCK}"
         if record["space"] is not None and self.owner["space"] is not None:
             return " in another PID namespace (a container or pod of the same host name: its process cannot be seen from here)"

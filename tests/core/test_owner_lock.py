@@ -106,6 +106,16 @@ def test_a_job_that_found_the_lock_held_takes_it_at_a_later_heartbeat_and_says_s
         lease.release()
 
 
+def test_a_lock_that_cannot_be_taken_says_nothing_of_its_owner(tmp_path):
+    """A FIFO in place of ``lease.lock``: nobody holds a lock on it, so the refusal must not say the owner is alive."""
+    url = str(tmp_path / "ckpt")
+    write_pod_lease(url, lock=True)
+    os.mkfifo(os.path.join(url, LOCK))
+    with pytest.raises(LeaseError, match="in another PID namespace") as refused:
+        CheckpointManager(url)
+    assert "holds lease.lock" not in str(refused.value) and "cannot be seen from here" in str(refused.value)
+
+
 @pytest.mark.parametrize("case", ["earlier-version", "owner-found-it-held", "another-kernel"])
 def test_a_free_lock_proves_nothing_for_an_owner_that_did_not_hold_it_or_ran_on_another_kernel(tmp_path, case):
     """An earlier version's lease (no ``lock``), an owner that found the lock held (``false``), or one on another
