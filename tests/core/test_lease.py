@@ -900,6 +900,14 @@ def in_own_pid_namespace(code: str, *, without_proc: bool = False) -> subprocess
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def skip_without_pid_namespaces() -> None:
+    """Skip the test where this user cannot make a PID namespace of its own (``unshare`` refused)."""
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc", "true"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no unprivileged PID namespaces here: {probe.stderr.decode().strip()}")
+
+
 @pytest.mark.slow  # a subprocess or a long run: over 5 s (keeps the quick tier under 3 minutes)
 @pytest.mark.parametrize("without_proc", [False, True], ids=["proc", "no-proc"])
 def test_a_job_recreated_in_a_new_pid_namespace_under_the_same_host_name_never_takes_a_live_lease(tmp_path,
@@ -908,10 +916,7 @@ def test_a_job_recreated_in_a_new_pid_namespace_under_the_same_host_name_never_t
     entrypoint, the same pid 1 as the old one, which may still be alive (a node cut off): its lease is not "this
     process's own" nor "a process of this host that is gone". Nor where the new one cannot tell its process space
     (no ``/proc``): that was taken for "the same"."""
-    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc", "true"],
-                           capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip(f"no unprivileged PID namespaces here: {probe.stderr.decode().strip()}")
+    skip_without_pid_namespaces()
     url = str(tmp_path / "ckpt")
     old = in_own_pid_namespace(HOLD.format(root=ROOT, url=url))
     try:
@@ -982,10 +987,7 @@ def test_a_container_restarted_in_place_takes_over_the_lease_its_killed_predeces
     owner held the lock on ``lease.lock`` while it lived; the kernel dropped it with the process (killed from outside:
     pid 1 of a namespace ignores a SIGKILL of its own): taken over at once, no wait before the first save, and with a
     fast tier the newest step comes from it (``/dev/shm`` outlives a container's restart)."""
-    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc", "true"],
-                           capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip(f"no unprivileged PID namespaces here: {probe.stderr.decode().strip()}")
+    skip_without_pid_namespaces()
     url = str(tmp_path / "ckpt")
     config = {"fast_dirpath": str(tmp_path / "shm"), "fast_interval": 1} if fast else {}
     old = in_own_pid_namespace(TRAIN_AND_HOLD.format(root=ROOT, url=url, config=config))

@@ -21,16 +21,20 @@ from ft_checkpoint.run.lease import LEASE, process_space
 from ft_checkpoint.run.owner_lock import LOCK, OwnerLock
 from ft_checkpoint.store.storage import Storage
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SPACE = process_space()
 pytestmark = pytest.mark.skipif(SPACE is None, reason="no /proc: no process space to compare")
 
 
-def write_pod_lease(url: str, *, lock: bool | None, boot: str | None = None) -> None:
-    """The lease of pid 1 in another PID namespace of this host (or of the kernel ``boot``), heartbeat just now."""
+def write_pod_lease(url: str, *, lock: bool | None, boot: str | None = None, pid: int = 1,
+                    same_namespace: bool = False) -> None:
+    """The lease of ``pid`` in another PID namespace of this host (or of the kernel ``boot``; or in this namespace),
+    heartbeat just now."""
     this_boot, _, namespace = str(SPACE).partition("/")
     os.makedirs(url, exist_ok=True)
-    record = {"attempt": "old-pod", "host": socket.gethostname(), "pid": 1, "job": None, "restarts": {},
-              "space": f"{boot or this_boot}/{int(namespace) + 1}", "heartbeat": time.time()}
+    space = SPACE if same_namespace else f"{boot or this_boot}/{int(namespace) + 1}"
+    record = {"attempt": "old-pod", "host": socket.gethostname(), "pid": pid, "job": None, "restarts": {},
+              "space": space, "heartbeat": time.time()}
     if lock is not None:
         record["lock"] = lock
     with open(os.path.join(url, LEASE), "w") as f:
@@ -56,12 +60,7 @@ def test_a_dead_owner_whose_pid_another_process_took_is_taken_over_at_once(tmp_p
     url = str(tmp_path / "ckpt")
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        write_pod_lease(url, lock=True)
-        with open(os.path.join(url, LEASE)) as f:
-            record = json.load(f)
-        record.update(pid=other.pid, space=SPACE)  # this namespace; its pid taken by a live process
-        with open(os.path.join(url, LEASE), "w") as f:
-            json.dump(record, f)
+        write_pod_lease(url, lock=True, pid=other.pid, same_namespace=True)  # its pid taken by a live process
         with caplog.at_level(logging.INFO, logger="ft_checkpoint.run.lease"), CheckpointManager(url) as ckpt:
             assert ckpt.lease._quiet_until < time.monotonic()
         assert f"its process {other.pid} on this host is gone: the lock on lease.lock" in caplog.text
@@ -166,8 +165,7 @@ def test_a_forked_child_does_not_keep_the_lock_of_a_parent_that_died(tmp_path):
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    owner = subprocess.run([sys.executable, "-c", FORK_AND_DIE.format(root=root, url=str(tmp_path))],
+    owner = subprocess.run([sys.executable, "-c", FORK_AND_DIE.format(root=ROOT, url=str(tmp_path))],
                            capture_output=True, text=True, timeout=60)
     assert owner.returncode == -9 and owner.stdout.strip().isdigit(), owner.stdout + owner.stderr
     worker = int(owner.stdout)
