@@ -99,29 +99,7 @@ class Server:
 
 
 IDLE_TIMEOUT = 20
-"""Seconds the GCS emulator keeps an idle connection open. It serves one connection at a time (a plain
-``http.server.HTTPServer``), so a client stopped while holding a keep-alive connection (SIGSTOP, as in the
-lease tests) would otherwise block every other client for good; closed, the client reconnects."""
-_GCS_MAIN = """
-import os, sys
-import gcp_storage_emulator.server as server, gcp_storage_emulator.storage as storage
-from gcp_storage_emulator.__main__ import main
-
-server.RequestHandler.timeout = {timeout}
-_write = storage._FileStore.write_bytes
-
-def write_atomically(self, rel, content):
-    # the emulator rewrites its whole index (.meta) in place at each change: killed in the middle (as the tests
-    # kill it), it left a truncated index and never started again; written aside and renamed, as GCS objects are
-    if self._use_memory:
-        return _write(self, rel, content)
-    _write(self, rel + ".partial", content)
-    os.replace(self._disk_path(rel + ".partial"), self._disk_path(rel))
-
-storage._FileStore.write_bytes = write_atomically
-sys.exit(main(sys.argv[1:]))
-"""
-"""The GCS emulator, with an idle-connection timeout (:data:`IDLE_TIMEOUT`) and files written atomically."""
+"""Seconds the GCS emulator keeps an idle connection open (see :mod:`ft_checkpoint.testing.gcs_emulator`)."""
 
 
 def start(kind: str, *, port: int | None = None, data_dir: str | None = None) -> Server:
@@ -131,8 +109,8 @@ def start(kind: str, *, port: int | None = None, data_dir: str | None = None) ->
     """
     port = port or free_port()
     if kind == "gcs":
-        cmd = [sys.executable, "-c", _GCS_MAIN.format(timeout=IDLE_TIMEOUT), "start", "--host", "127.0.0.1", "--port",
-               str(port)]
+        cmd = [sys.executable, "-m", "ft_checkpoint.testing.gcs_emulator", "--idle-timeout", str(IDLE_TIMEOUT), "start",
+               "--host", "127.0.0.1", "--port", str(port)]
         cmd += [] if data_dir else ["--in-memory"]
     elif kind == "s3":
         cmd = [_bin("moto_server"), "-H", "127.0.0.1", "-p", str(port)]
