@@ -33,7 +33,8 @@ class StorageNotFoundError(StorageError, FileNotFoundError):
 
 
 class StorageExistsError(StorageError, FileExistsError):
-    """A file that had to be new was there already (on S3, a create refused by ``If-None-Match: *``)."""
+    """A file that had to be new was there already (a create refused: ``O_EXCL``, S3's ``If-None-Match: *``, GCS's
+    ``ifGenerationMatch=0``)."""
 
 
 class StoragePermissionError(StorageError, PermissionError):

@@ -43,10 +43,11 @@ check is made depends on the store:
   in the milliseconds between the read and the write is overwritten; the new owner then finds the old
   owner's lease at its own next check (its next heartbeat, or the check before its next commit) and
   stops, so one of the two keeps writing. (GCS could fence with ``ifGenerationMatch``, but gcsfs
-  2026.10 passes no precondition but ``ifGenerationMatch=0`` on writes, and the GCS emulator the tests
-  run against ignores preconditions altogether, so that path could not be tested.) On local disk a lease
-  where there was none is created, never written over one (the complete file hard-linked to its name): of two
-  jobs starting at once on an empty directory, exactly one gets it and the other is refused at once.
+  2026.10 passes no precondition but ``ifGenerationMatch=0`` on writes.) On local disk and GCS a lease
+  where there was none is created, never written over one (the complete file hard-linked to its name;
+  ``ifGenerationMatch=0``): of two jobs starting at once on an empty directory, exactly one gets it and the other
+  is refused at once. A create refused because this job's own earlier try landed (its answer lost, the try
+  repeated) is found to be this job's when the lease is read back, and taken.
 
 :meth:`Lease.release` removes ``lease.json`` only if it still names this attempt (read, compare, delete
 on every store), and never after the lease was lost.
@@ -578,8 +579,12 @@ class Lease:
             else:  # a lease where there was none is created: of two jobs starting at once, one gets it
                 self._put(if_none_match=self.fencing == "etag" or not seen.exists)
         except _Changed:
-            raise LeaseError(f"{self.url} changed while this job was taking it over: another job started at the "
-                             "same moment. HINT: give each job its own dirpath") from None
+            landed = self._read()  # refused because our own earlier try landed (its answer lost, then retried)?
+            if not self._mine(landed):
+                raise LeaseError(f"{self.url} changed while this job was taking it over: another job started at the "
+                                 "same moment. HINT: give each job its own dirpath") from None
+            if self.fencing == "etag":
+                self._etag = landed.etag  # the heartbeats write on the condition of our write that landed
 
     def _make_way(self) -> None:
         """A directory named ``lease.json`` cannot be written over: move it aside (it is not ours to delete).

@@ -6,7 +6,8 @@ may be saving the same step. Two checks keep the old job from writing over the n
 - before each file, ``check()`` (the lease seen as the job's own recently, else read again): a job that lost the
   directory stops at its next file;
 - each file is created, never replaced: on local disk with ``O_EXCL`` (the manifest is renamed into the directory the
-  save made, see ``Storage.write_bytes``), on S3 with ``If-None-Match: *`` (``Storage.exclusive_creates``). A job that
+  save made, see ``Storage.write_bytes``), on S3 with ``If-None-Match: *``, on GCS with ``ifGenerationMatch=0``
+  (``Storage.exclusive_creates``). A job that
   woke after the new owner wrote a file (an upload already on its way when it froze, which completes when it wakes; or
   a file it starts because its last sight of the lease looked recent: an old owner taken over twice) is refused. (A
   rank that stood still before it joined the save never counts rank 0's check of the lease as a sight newer than the
@@ -16,9 +17,9 @@ may be saving the same step. Two checks keep the old job from writing over the n
   retry) and writes once more, with a warning.
 
 A late file of a name the new owner does not write (a rank of a larger job) finds nothing there and lands beside
-the new owner's files: the step is then refused for a file its manifest does not list. GCS could refuse a late
-upload (``ifGenerationMatch=0``), but its emulator ignores preconditions, so it is not asked to: an upload in flight
-there may still land over the new owner's file (README, the lease paragraph).
+the new owner's files: the step is then refused for a file its manifest does not list. On a store without exclusive
+creates (``memory://``, Azure, ...) an upload in flight may still land over the new owner's file (README, the lease
+paragraph).
 
 Example:
     >>> from ft_checkpoint.store.storage import Storage

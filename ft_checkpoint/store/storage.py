@@ -242,7 +242,8 @@ def _status(e: BaseException) -> int | None:
 
 def already_exists(exc: BaseException) -> bool:
     """Whether ``exc`` says that a file created exclusively was there already (``FileExistsError``, which s3fs raises
-    for S3's 412 to ``If-None-Match: *``; or S3's 409 for a concurrent upload of the same name).
+    for S3's 412 to ``If-None-Match: *`` and gcsfs for GCS's 412 to ``ifGenerationMatch=0``; or S3's 409 for a
+    concurrent upload of the same name).
 
     Example:
         >>> already_exists(FileExistsError("step/a.bin")), already_exists(FileNotFoundError("step/a.bin"))
@@ -479,11 +480,12 @@ class Storage:
         protocols = _protocols(self.fs)
         self.is_local = bool(protocols & _LOCAL_PROTOCOLS)
         self._stores_crc32c = bool(protocols & {"gs", "gcs"})  # GCS keeps a CRC-32C of every object
-        self.exclusive_creates = self.is_local or bool(protocols & {"s3", "s3a"})
+        self.exclusive_creates = self.is_local or bool(protocols & {"s3", "s3a", "gs", "gcs"})
         """Whether a write with ``exclusive=True`` is refused over a file that exists (local disk: ``O_EXCL``, but
         an atomic write is renamed over its name; S3's ``If-None-Match: *``, which s3fs sends on a one-request upload and on the
-        completion of a multipart one). Elsewhere such a write replaces what is there, as any write does: GCS could
-        (``ifGenerationMatch=0``), but its emulator ignores preconditions, so that could not be tested."""
+        completion of a multipart one; GCS's ``ifGenerationMatch=0``, which gcsfs sends on a one-request upload and
+        on the start of a resumable one, and GCS checks again at its end). Elsewhere such a write replaces what is
+        there, as any write does."""
         self._bucketed = bool(protocols & _BUCKET_PROTOCOLS)
         self._has_directories = self.is_local or isinstance(self.fs, LocalFileSystem) or bool(
             protocols & _DIRECTORY_PROTOCOLS)  # a LocalFileSystem under another name: faulty:// (tests)
@@ -611,7 +613,8 @@ class Storage:
     def create_new(self, rel: str, data: bytes) -> None:
         """Write ``data`` as the new file ``rel``, whole: StorageExistsError, nothing written, if ``rel`` exists
         already (of two writers at the same moment, one wins), where the store can tell: local disk (the complete
-        file hard-linked to its name) and S3 (``If-None-Match: *``); elsewhere a plain write.
+        file hard-linked to its name), S3 (``If-None-Match: *``) and GCS (``ifGenerationMatch=0``); elsewhere a plain
+        write.
 
         Example:
             >>> s = Storage("memory://doc/create-new")

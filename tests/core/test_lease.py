@@ -254,6 +254,36 @@ def test_s3_heartbeat_is_a_write_conditional_on_its_own_last_write(request, tmp_
     assert holder_of(storage)["attempt"] == "new", "the old owner's heartbeat overwrote the new owner"
 
 
+@pytest.mark.parametrize("kind", ["s3", "gcs"])
+def test_a_new_lease_whose_answer_was_lost_is_taken_on_the_retry_not_refused(kind, request, tmp_path, monkeypatch):
+    """A job creates the lease of an empty directory (``If-None-Match: *`` on S3, ``ifGenerationMatch=0`` on GCS);
+    the object lands but the answer is lost (a connection reset), and the storage layer's retry is refused: the
+    object exists. Before: "changed while this job was taking it over: another job started at the same moment", and
+    the job did not start. Now the lease read back names this attempt: taken, and its heartbeats go on."""
+    from tests.conftest import _make_backend
+
+    backend = _make_backend(kind, request, tmp_path)
+    storage = Storage(backend.url, backend.storage_options, retries=3, backoff=0.01)
+    pipe_file, lost = storage.fs.pipe_file, []
+
+    def lands_then_the_answer_is_lost(path: str, data: bytes, **kwargs):
+        out = pipe_file(path, data, **kwargs)
+        if path.endswith(LEASE) and not lost:
+            lost.append(path)
+            raise ConnectionResetError(104, "Connection reset by peer")
+        return out
+
+    monkeypatch.setattr(storage.fs, "pipe_file", lands_then_the_answer_is_lost)
+    lease = Lease(storage, attempt="mine", refresh=3600)
+    lease.acquire()
+    try:
+        assert lost and holder_of(storage)["attempt"] == "mine"
+        assert lease._refresh() and not lease.lost  # a heartbeat: S3's on the condition of the write that landed
+    finally:
+        lease.release()
+    assert not storage.exists(LEASE)
+
+
 # -- takeover rules -------------------------------------------------------------------------------
 def other_host_lease(url: str, attempt: str = "old", **variables: str) -> Lease:
     """A live job on another host holding the lease of ``url`` (a fresh heartbeat), started with ``variables``."""
@@ -494,14 +524,24 @@ import torch
 from ft_checkpoint import CheckpointManager
 from ft_checkpoint.run.lease import Lease
 Lease.recent = property(lambda self: 0.5)  # a sight of the lease is good for 0.5 s here (30 s by default)
-def freeze(request, **kwargs):
-    if request.url.endswith("step_000000000004/__0_0.distcp"):
+def freeze(name):
+    if name.endswith("step_000000000004/__0_0.distcp"):
         print("STOPPED", flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)  # frozen in the upload: the fence passed, the PUT not yet at the server
         time.sleep(0.5)  # the stop lands on every thread a moment later: the PUT leaves only after it
+def freeze_uploads():
+    if ckpt.storage.url.startswith("s3://"):
+        ckpt.storage.fs.s3.meta.events.register("before-send.s3.PutObject", lambda request, **_: freeze(request.url))
+        return
+    import gcsfs.core
+    upload = gcsfs.core.simple_upload
+    async def frozen_upload(fs, bucket, key, *args, **kwargs):
+        freeze(key)
+        return await upload(fs, bucket, key, *args, **kwargs)
+    gcsfs.core.simple_upload = frozen_upload
 def hook(phase, step):
     if (phase, step) == ("writing", 4):
-        ckpt.storage.fs.s3.meta.events.register("before-send.s3.PutObject", freeze)
+        freeze_uploads()
 with CheckpointManager({url!r}, interval=2, keep_last=1, storage_options=json.loads({options!r})) as ckpt:
     ckpt.engine.phase_hook = hook
     for step in (2, 4):
@@ -510,14 +550,15 @@ with CheckpointManager({url!r}, interval=2, keep_last=1, storage_options=json.lo
 """
 
 
-def _frozen_mid_upload(s3_server, request, tmp_path):
-    """A real job saving into a bucket of the S3 server, frozen (SIGSTOP) in the PUT of its step 4's data file."""
+def _frozen_mid_upload(kind, request, tmp_path):
+    """A real job saving into a bucket of the S3 server or the GCS emulator, frozen (SIGSTOP) in the upload of its
+    step 4's data file."""
     from tests.conftest import _make_backend
 
-    backend = _make_backend("s3", request, tmp_path)
+    backend = _make_backend(kind, request, tmp_path)
     script = FROZEN_MID_UPLOAD.format(root=ROOT, url=backend.url, options=json.dumps(backend.storage_options))
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **s3_server.env()})
+                            env={**os.environ, **backend.server.env()})
     assert proc.stdout.readline().strip() == "STOPPED"
     return backend, proc
 
@@ -538,16 +579,18 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", ["s3", "gcs"])
 def test_an_upload_in_flight_when_its_job_froze_never_lands_over_the_new_owners_committed_step(
-        s3_server, request, tmp_path, short_wait_after_takeover):
-    """A real job freezes (SIGSTOP) in the S3 upload of step 4's data file, past the check of its lease; another job
+        kind, request, tmp_path, short_wait_after_takeover):
+    """A real job freezes (SIGSTOP) in the upload of step 4's data file, past the check of its lease; another job
     takes the directory over and commits its own step 4 (retention deletes step 2); then the frozen job wakes and its
     upload completes. Before: it landed over the new owner's committed data file; the step no longer verified, and
-    with step 2 deleted a resume started from scratch (the red team's two-rank runs on S3, 2 of 2). Now a step's files
-    are created with ``If-None-Match: *``: the late upload is refused, and its job stops on its lost lease."""
+    with step 2 deleted a resume started from scratch (the red team's two-rank runs on S3, 2 of 2; on GCS until this
+    version). Now a step's files are created with ``If-None-Match: *`` (S3) or ``ifGenerationMatch=0`` (GCS): the
+    late upload is refused, and its job stops on its lost lease."""
     import torch
 
-    backend, proc = _frozen_mid_upload(s3_server, request, tmp_path)
+    backend, proc = _frozen_mid_upload(kind, request, tmp_path)
     url, options = backend.url, backend.storage_options
     try:
         with CheckpointManager(url, interval=2, keep_last=1, force_takeover=True, storage_options=options) as new:
@@ -595,14 +638,15 @@ def test_a_writer_taken_over_without_waiting_for_its_heartbeat_never_writes_over
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", ["s3", "gcs"])
 def test_an_upload_that_lands_between_the_new_owners_clear_and_its_own_write_is_deleted_and_written_again(
-        s3_server, request, tmp_path, caplog, short_wait_after_takeover):
+        kind, request, tmp_path, caplog, short_wait_after_takeover):
     """The frozen job of the test above wakes while the new owner saves step 4, after its clear of the step and before
     its data file: the late upload lands first. The new owner's create of that file is then refused; it finds the
     lease its own, deletes the file with a warning naming it, writes its own, and commits."""
     import torch
 
-    backend, proc = _frozen_mid_upload(s3_server, request, tmp_path)
+    backend, proc = _frozen_mid_upload(kind, request, tmp_path)
     url, options = backend.url, backend.storage_options
     errors: list[str] = []
 
@@ -733,9 +777,9 @@ sys.path.insert(0, {root!r})
 from ft_checkpoint.errors import LeaseError
 from ft_checkpoint.run.lease import Lease
 from ft_checkpoint.store.storage import Storage
-prefix, trials, me, start = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+prefix, trials, me, start, options = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4]), sys.argv[5]
 for i in range(trials):
-    lease = Lease(Storage(f"{{prefix}}/t{{i}}"), attempt=f"{{me}}-{{i}}")
+    lease = Lease(Storage(f"{{prefix}}/t{{i}}", json.loads(options)), attempt=f"{{me}}-{{i}}")
     while time.time() < start + i * 0.3:
         pass  # both processes start trial i at the same moment
     try:
@@ -749,16 +793,23 @@ for i in range(trials):
 
 
 @pytest.mark.slow
-def test_two_jobs_starting_at_once_on_an_empty_local_directory_never_both_own_it(tmp_path):
-    """Two processes take the lease of one empty local directory at the same moment, 30 times. Before: both read
-    "no lease", both wrote theirs (the second over the first) and both read their own back: 7 of 40 trials gave two
-    owners (helper-43), and the loser trained until its next heartbeat or save, then stopped with a message blaming a
-    stale heartbeat. Now a new lease is created, never written over one (a hard link of the complete file): exactly
-    one owns the directory, the other is refused at once with an error that says why."""
+@pytest.mark.parametrize("kind", ["local", "gcs"])
+def test_two_jobs_starting_at_once_on_an_empty_directory_never_both_own_it(kind, request, tmp_path):
+    """Two processes take the lease of one empty directory at the same moment, 30 times. Before: both read "no lease",
+    both wrote theirs (the second over the first) and both read their own back: 7 of 40 trials gave two owners on
+    local disk (helper-43), and the loser trained until its next heartbeat or save, then stopped with a message
+    blaming a stale heartbeat; on GCS until this version too. Now a new lease is created, never written over one (on
+    local disk a hard link of the complete file, on GCS ``ifGenerationMatch=0``): exactly one owns the directory, the
+    other is refused at once with an error that says why."""
+    from tests.conftest import _make_backend
+
+    backend = _make_backend(kind, request, tmp_path)
+    env = {**os.environ, **(backend.server.env() if backend.server else {})}
     trials = 30
     start = time.time() + 3  # both started and imported by then
-    procs = [subprocess.Popen([sys.executable, "-c", RACER.format(root=ROOT), str(tmp_path), str(trials), who,
-                               str(start)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for who in "AB"]
+    procs = [subprocess.Popen([sys.executable, "-c", RACER.format(root=ROOT), backend.url, str(trials), who,
+                               str(start), json.dumps(backend.storage_options)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for who in "AB"]
     outcomes = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outcomes]
     lines = [dict(line.split(" ", 1) for line in out.splitlines()) for out, _ in outcomes]

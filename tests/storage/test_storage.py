@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 import fsspec
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
@@ -49,13 +51,14 @@ def test_a_file_larger_than_its_listed_size_is_refused_and_never_read_whole(stor
         assert received == [101, 10_000_000]
 
 
-def test_an_exclusive_write_never_replaces_a_file_on_local_disk_and_s3_and_writes_as_usual_elsewhere(storage,
-                                                                                                       monkeypatch):
-    """A step's files are created with ``exclusive=True`` (see ``store.fence``). On local disk (``O_EXCL``) and S3
-    (``If-None-Match: *``) such a write over a file that exists is refused with StorageExistsError and leaves the
-    file as it was, whether the file goes in one request, in parts (the completion is what is conditional) or
-    streamed; a new name is written. Elsewhere it writes as any write does, and so does an atomic write on local
-    disk (the manifest: renamed into the directory its save made, never seen under a second name)."""
+def test_an_exclusive_write_never_replaces_a_file_on_local_disk_s3_and_gcs_and_writes_as_usual_elsewhere(storage,
+                                                                                                           monkeypatch):
+    """A step's files are created with ``exclusive=True`` (see ``store.fence``). On local disk (``O_EXCL``), S3
+    (``If-None-Match: *``) and GCS (``ifGenerationMatch=0``; on GCS before, a plain write) such a write over a file
+    that exists is refused with StorageExistsError and leaves the file as it was, whether the file goes in one
+    request, in parts (the completion is what is conditional) or streamed; a new name is written. Elsewhere
+    (``memory://``) it writes as any write does, and so does an atomic write on local disk (the manifest: renamed
+    into the directory its save made, never seen under a second name)."""
     from ft_checkpoint.store import storage as storage_module
 
     monkeypatch.setattr(storage_module, "SINGLE_PUT_MAX", 1 << 20)
@@ -64,7 +67,9 @@ def test_an_exclusive_write_never_replaces_a_file_on_local_disk_and_s3_and_write
         "bytes.bin": lambda data: storage.write_bytes("bytes.bin", data, atomic=False, exclusive=True),
         "manifest.json": lambda data: storage.write_bytes("manifest.json", data, exclusive=True),
         "parts.bin": lambda data: storage.write_views("parts.bin", [memoryview(data * (6 << 20))], exclusive=True),
-        "stream.bin": lambda data: storage.write_stream("stream.bin", lambda f: f.write(data), exclusive=True),
+        "stream.bin": lambda data: storage.write_stream("stream.bin", lambda f: f.write(data * (6 << 20)),
+                                                        exclusive=True),
+        "lease.json": lambda data: storage.create_new("lease.json", data),
     }
     for name, write in writes.items():
         write(b"1")
@@ -75,7 +80,26 @@ def test_an_exclusive_write_never_replaces_a_file_on_local_disk_and_s3_and_write
         else:
             write(b"2")
         assert storage.read_bytes(name)[:1] == (b"1" if refused else b"2"), name
-    assert storage.exclusive_creates == (storage.is_local or storage.url.startswith("s3://"))
+    assert storage.exclusive_creates == (not storage.url.startswith("memory://"))
+
+
+def test_an_exclusive_streamed_upload_to_gcs_is_refused_at_its_end_if_the_object_appeared_meanwhile(gcs_server):
+    """GCS checks ``ifGenerationMatch=0`` of a resumable upload when its last byte arrives: a file another writer
+    created after the upload started (the new owner's, while a job that lost the directory still uploads) is kept,
+    and the late upload is refused with StorageExistsError."""
+    bucket = f"bucket-{uuid.uuid4().hex[:8]}"
+    gcs_server.make_bucket(bucket)
+    late, new_owner = (Storage(f"gs://{bucket}/run", gcs_server.storage_options, retries=2, backoff=0.01)
+                       for _ in range(2))
+
+    def produce(f) -> None:
+        f.write(b"late" * (4 << 20))  # 16 MiB: a resumable upload, its first chunks already sent
+        new_owner.write_bytes("step/a.bin", b"new owner's", atomic=False, exclusive=True)
+        f.write(b"late" * (4 << 20))
+
+    with pytest.raises(StorageExistsError, match="a.bin: already exists"):
+        late.write_stream("step/a.bin", produce, exclusive=True)
+    assert new_owner.read_bytes("step/a.bin") == b"new owner's"
 
 
 def test_listdir_and_sizes(storage):
