@@ -12,8 +12,9 @@
   fails, as GCS was seen to do, googleapis/google-cloud-java#201). The emulator ignores every precondition; without
   this, a test could not tell an exclusive create (``Storage.exclusive_creates``) from a plain write.
 
-Run as ``python -m ft_checkpoint.testing.gcs_emulator --idle-timeout 20 start --host 127.0.0.1 --port PORT``
-(the emulator's own arguments after ``--idle-timeout``); ``servers.start("gcs")`` does.
+Run as ``python .../ft_checkpoint/testing/gcs_emulator.py --idle-timeout 20 start --host 127.0.0.1 --port PORT``
+(the emulator's own arguments after ``--idle-timeout``; a script, which imports nothing of ``ft_checkpoint``);
+``servers.start("gcs")`` does.
 
 Example:
     >>> _upload_id({"Location": "http://h/upload/storage/v1/b/b/o?uploadType=resumable&name=x&upload_id=42"})

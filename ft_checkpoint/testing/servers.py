@@ -109,8 +109,9 @@ def start(kind: str, *, port: int | None = None, data_dir: str | None = None) ->
     """
     port = port or free_port()
     if kind == "gcs":
-        cmd = [sys.executable, "-m", "ft_checkpoint.testing.gcs_emulator", "--idle-timeout", str(IDLE_TIMEOUT), "start",
-               "--host", "127.0.0.1", "--port", str(port)]
+        emulator = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gcs_emulator.py")  # a script: no install
+        cmd = [sys.executable, emulator, "--idle-timeout", str(IDLE_TIMEOUT), "start", "--host", "127.0.0.1", "--port",
+               str(port)]
         cmd += [] if data_dir else ["--in-memory"]
     elif kind == "s3":
         cmd = [_bin("moto_server"), "-H", "127.0.0.1", "-p", str(port)]
