@@ -484,7 +484,7 @@ class Storage:
         """Whether a write with ``exclusive=True`` is refused over a file that exists (local disk: ``O_EXCL``, but
         an atomic write is renamed over its name; S3's ``If-None-Match: *``, which s3fs sends on a one-request upload and on the
         completion of a multipart one; GCS's ``ifGenerationMatch=0``, which gcsfs sends on a one-request upload and
-        on the start of a resumable one, and GCS checks again at its end). Elsewhere such a write replaces what is
+        on the start of a resumable one, whose completion GCS then refuses). Elsewhere such a write replaces what is
         there, as any write does."""
         self._bucketed = bool(protocols & _BUCKET_PROTOCOLS)
         self._has_directories = self.is_local or isinstance(self.fs, LocalFileSystem) or bool(

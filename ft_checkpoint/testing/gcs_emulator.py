@@ -73,6 +73,7 @@ def _honor_preconditions() -> None:
     if not all(hasattr(objects, name) for name in needed):  # never a server that silently writes over
         raise RuntimeError("this gcp-storage-emulator has not the upload handlers whose preconditions the tests need "
                            f"({', '.join(needed)}). HINT: pip install 'gcp-storage-emulator>=2026.7'")
+
     def checked(upload: Any) -> Any:
         def upload_unless_it_exists(request: Any, response: Any, storage: Any) -> Any:
             if _must_not_exist(request) and _exists(storage, request.params["bucket_name"], _object_name(request)):
