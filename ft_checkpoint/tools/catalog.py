@@ -112,7 +112,8 @@ def describe_step(storage: Storage, step: int, *, signer: Signer | None = None,
         'no manifest.json: an interrupted save, or one still being written'
     """
     entries = storage.entries(layout.step_dir(step))
-    sizes = {name: e.size for name, e in entries.items() if e.kind == "file"}
+    # a step's data files, counted alike whatever its status (a committed step's manifest lists all but itself)
+    sizes = {name: e.size for name, e in entries.items() if e.kind == "file" and name != layout.MANIFEST}
     info = StepInfo(step=step, status=PARTIAL, bytes=sum(sizes.values()), files=len(sizes))
     if layout.MANIFEST not in entries:  # a FIFO or a link by that name is no partial save: check_step says what
         quarantined = layout.MANIFEST + layout.SKIPPED_SUFFIX in sizes
@@ -123,8 +124,6 @@ def describe_step(storage: Storage, step: int, *, signer: Signer | None = None,
     if not check.ok or check.manifest is None:
         status = UNVERIFIED if check.signature == layout.REFUSED else CORRUPT
         info.status, info.reason, info.manifest = status, "; ".join(check.problems), True
-        sizes.pop(layout.MANIFEST, None)  # counted as a committed step's are: its data files, the manifest left out
-        info.bytes, info.files = sum(sizes.values()), len(sizes)
         return info
     m = check.manifest
     return StepInfo(step=step, status=COMMITTED, bytes=m.total_bytes, files=len(m.files), time=m.time,

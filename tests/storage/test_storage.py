@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
-
 import fsspec
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
@@ -83,14 +81,14 @@ def test_an_exclusive_write_never_replaces_a_file_on_local_disk_s3_and_gcs_and_w
     assert storage.exclusive_creates == (not storage.url.startswith("memory://"))
 
 
-def test_an_exclusive_streamed_upload_to_gcs_is_refused_at_its_end_if_the_object_appeared_meanwhile(gcs_server):
+def test_an_exclusive_streamed_upload_to_gcs_is_refused_at_its_end_if_the_object_appeared_meanwhile(request, tmp_path):
     """GCS checks ``ifGenerationMatch=0`` of a resumable upload when its last byte arrives: a file another writer
     created after the upload started (the new owner's, while a job that lost the directory still uploads) is kept,
     and the late upload is refused with StorageExistsError."""
-    bucket = f"bucket-{uuid.uuid4().hex[:8]}"
-    gcs_server.make_bucket(bucket)
-    late, new_owner = (Storage(f"gs://{bucket}/run", gcs_server.storage_options, retries=2, backoff=0.01)
-                       for _ in range(2))
+    from tests.conftest import _make_backend
+
+    backend = _make_backend("gcs", request, tmp_path)
+    late, new_owner = (Storage(backend.url, backend.storage_options, retries=2, backoff=0.01) for _ in range(2))
 
     def produce(f) -> None:
         f.write(b"late" * (4 << 20))  # 16 MiB: a resumable upload, its first chunks already sent
