@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import uuid
 from typing import Any
@@ -90,6 +91,10 @@ class Backend:
     url: str
     storage_options: dict[str, Any]
     server: servers.Server | None = None
+
+    def env(self) -> dict[str, str]:
+        """This process's environment, with what a subprocess needs to reach the backend's server (if any)."""
+        return {**os.environ, **(self.server.env() if self.server else {})}
 
 
 def _make_backend(name: str, request: pytest.FixtureRequest, tmp_path) -> Backend:

@@ -184,7 +184,7 @@ def test_a_hung_job_taken_over_stops_writing_when_it_wakes(kind, request, tmp_pa
 
     backend = _make_backend(kind, request, tmp_path)
     script = HUNG_OWNER.format(root=ROOT, url=backend.url, options=json.dumps(backend.storage_options))
-    env = {**os.environ, **(backend.server.env() if backend.server else {})}
+    env = backend.env()
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout.readline().strip() == "HOLDING"
@@ -480,7 +480,7 @@ def test_a_hung_writer_taken_over_never_writes_over_the_step_the_new_owner_commi
     backend = _make_backend(kind, request, tmp_path)
     url, options = backend.url, backend.storage_options
     script = ZOMBIE_WRITER.format(root=ROOT, url=url, options=json.dumps(options))
-    env = {**os.environ, **(backend.server.env() if backend.server else {})}
+    env = backend.env()
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
     # the hang outlasts the 0.5 s a sight of the lease is good for (a takeover waits 120 s)
@@ -558,7 +558,7 @@ def _frozen_mid_upload(kind, request, tmp_path):
     backend = _make_backend(kind, request, tmp_path)
     script = FROZEN_MID_UPLOAD.format(root=ROOT, url=backend.url, options=json.dumps(backend.storage_options))
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **backend.server.env()})
+                            env=backend.env())
     assert proc.stdout.readline().strip() == "STOPPED"
     return backend, proc
 
@@ -629,7 +629,7 @@ def test_a_writer_taken_over_without_waiting_for_its_heartbeat_never_writes_over
     backend = _make_backend(kind, request, tmp_path)
     url, options = backend.url, backend.storage_options
     job = {"FT_CHECKPOINT_RUN_ID": "job-7", "TORCHELASTIC_RESTART_COUNT": "0"} if takeover != "force" else {}
-    env = {**os.environ, **(backend.server.env() if backend.server else {}), **job}
+    env = {**backend.env(), **job}
     proc = subprocess.Popen([sys.executable, "-c", QUICK_ZOMBIE.format(root=ROOT, url=url, options=json.dumps(options))],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     for name, value in job.items():  # this process is the launcher's next start of the same job
@@ -804,7 +804,7 @@ def test_two_jobs_starting_at_once_on_an_empty_directory_never_both_own_it(kind,
     from tests.conftest import _make_backend
 
     backend = _make_backend(kind, request, tmp_path)
-    env = {**os.environ, **(backend.server.env() if backend.server else {})}
+    env = backend.env()
     trials = 30
     start = time.time() + 3  # both started and imported by then
     procs = [subprocess.Popen([sys.executable, "-c", RACER.format(root=ROOT), backend.url, str(trials), who,
