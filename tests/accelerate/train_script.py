@@ -99,7 +99,12 @@ def build_model(acc: Accelerator, fsdp2: bool, batchnorm: bool = False) -> torch
 def should_kill(args: argparse.Namespace, acc: Accelerator, position: int) -> bool:
     if args.kill_at is None or position != args.kill_at or acc.process_index != args.kill_rank:
         return False
-    return not args.kill_first_attempt or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    return not args.kill_first_attempt or first_attempt()
+
+
+def first_attempt() -> bool:
+    """Whether this is the launcher's first start of the job (not a restart)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
 
 def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
@@ -210,7 +215,7 @@ def main() -> None:
     if args.fail_at_end:
         raise RuntimeError("the script failed after training")
     acc.end_training()
-    if args.abort_at_exit == acc.process_index and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    if args.abort_at_exit == acc.process_index and first_attempt():
         os.abort()
 
 
